@@ -1,0 +1,1 @@
+"""Finding a checkpoint on disk, checking it, and streaming its tensors into a model."""

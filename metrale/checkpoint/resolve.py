@@ -1,0 +1,81 @@
+"""Turn what the user named (a directory or a Hugging Face id) into a local directory.
+
+A Hugging Face id is looked up offline first in the hub cache (`HF_HUB_CACHE`, else
+`HF_HOME/hub`, else `~/.cache/huggingface/hub`), as huggingface_hub lays it out:
+`models--ORG--NAME/snapshots/<commit>/`, the commit named by `refs/main`. Only when it is not
+there, and the network is allowed, is it downloaded with huggingface_hub.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+class ModelNotFoundError(FileNotFoundError):
+    pass
+
+
+def hub_cache_dir() -> Path:
+    if cache := os.environ.get("HF_HUB_CACHE"):
+        return Path(cache)
+    if home := os.environ.get("HF_HOME"):
+        return Path(home) / "hub"
+    return Path.home() / ".cache" / "huggingface" / "hub"
+
+
+def find_cached_snapshot(repo_id: str, revision: str = "main") -> Path | None:
+    repo_dir = hub_cache_dir() / ("models--" + repo_id.replace("/", "--"))
+    ref_file = repo_dir / "refs" / revision
+    commit = ref_file.read_text().strip() if ref_file.is_file() else revision
+    snapshot = repo_dir / "snapshots" / commit
+    if (snapshot / "config.json").is_file():
+        return snapshot
+    # A cache filled by hand or by an older client may lack refs/: take a complete snapshot.
+    snapshots = sorted((repo_dir / "snapshots").glob("*/config.json")) if repo_dir.is_dir() else []
+    return snapshots[-1].parent if snapshots else None
+
+
+def resolve_model_dir(model: str | None, model_from_path: str | Path | None = None) -> Path:
+    """The checkpoint directory for `--model-from-path DIR` or a model id / path argument."""
+    if model_from_path is not None:
+        path = Path(model_from_path).expanduser()
+        if not path.is_dir():
+            raise ModelNotFoundError(f"--model-from-path {path}: no such directory")
+        return path
+    if model is None:
+        raise ModelNotFoundError("no model named: pass a Hugging Face id or --model-from-path DIR")
+    as_path = Path(model).expanduser()
+    if as_path.is_dir():
+        return as_path
+    if model.count("/") != 1 or model.startswith((".", "/", "~")):
+        raise ModelNotFoundError(
+            f"{model!r} is neither a directory nor a Hugging Face id of the form ORG/NAME"
+        )
+    if snapshot := find_cached_snapshot(model):
+        return snapshot
+    return _download(model)
+
+
+def _download(repo_id: str) -> Path:
+    offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
+    where = hub_cache_dir()
+    if offline:
+        raise ModelNotFoundError(
+            f"{repo_id} is not in the Hugging Face cache ({where}) and HF_HUB_OFFLINE is set: "
+            f"download it on a machine with network access or pass --model-from-path DIR"
+        )
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(
+            snapshot_download(
+                repo_id,
+                allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt"],
+            )
+        )
+    except Exception as e:  # the hub client raises many kinds; all mean the same to the user
+        raise ModelNotFoundError(
+            f"{repo_id} is not in the Hugging Face cache ({where}) and could not be downloaded "
+            f"({type(e).__name__}: {e}); check the id and network, or pass --model-from-path DIR"
+        ) from e

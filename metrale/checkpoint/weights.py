@@ -1,0 +1,141 @@
+"""Safetensors checkpoints: find the shards, check every tensor before loading, stream them.
+
+The preflight compares the names, shapes and dtypes in the shard headers with what the model
+class says a checkpoint of this config holds. It reads headers only, so a wrong or truncated
+checkpoint fails in milliseconds with one message naming the file, not minutes into loading.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    file: Path
+    shape: tuple[int, ...]
+    dtype: str  # safetensors' name: F32, BF16, ...
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, UnicodeDecodeError) as e:
+            raise CheckpointError(
+                f"{index} is not a valid safetensors index ({e}): re-download the checkpoint"
+            ) from e
+        files = sorted({model_dir / name for name in weight_map.values()})
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(
+                f"{index.name} lists shards that are missing from {model_dir}: "
+                f"{', '.join(missing)}; re-download the checkpoint"
+            )
+        return files
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(
+            f"no safetensors weights in {model_dir} (expected model.safetensors or "
+            f"model.safetensors.index.json); convert .bin checkpoints with transformers first"
+        )
+    return files
+
+
+def read_headers(files: list[Path]) -> dict[str, TensorInfo]:
+    tensors: dict[str, TensorInfo] = {}
+    for path in files:
+        try:
+            with safe_open(path, framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118  (safe_open is not a mapping)
+                    tensor_slice = f.get_slice(name)
+                    tensors[name] = TensorInfo(
+                        path, tuple(tensor_slice.get_shape()), tensor_slice.get_dtype()
+                    )
+        except Exception as e:  # safetensors raises its own error types for corrupt files
+            raise CheckpointError(
+                f"{path} is not a readable safetensors file ({e}); the shard is corrupt or "
+                f"truncated: re-download it"
+            ) from e
+    return tensors
+
+
+def preflight(
+    model_dir: Path, expected: dict[str, tuple[int, ...]]
+) -> dict[str, TensorInfo]:
+    """Check the checkpoint holds every expected tensor, with the right shape and a float dtype."""
+    found = read_headers(safetensors_files(model_dir))
+    problems = []
+    for name, shape in expected.items():
+        info = found.get(name)
+        if info is None:
+            problems.append(f"missing tensor {name}")
+        elif info.shape != shape:
+            problems.append(
+                f"{name} in {info.file.name} has shape {list(info.shape)}, "
+                f"config.json implies {list(shape)}"
+            )
+        elif info.dtype not in FLOAT_DTYPES:
+            problems.append(
+                f"{name} in {info.file.name} has dtype {info.dtype}; only F32, F16 and BF16 "
+                f"checkpoints load (quantized formats are not supported yet)"
+            )
+    if problems:
+        shown = "\n  ".join(problems[:10])
+        more = f"\n  ... and {len(problems) - 10} more" if len(problems) > 10 else ""
+        raise CheckpointError(
+            f"checkpoint {model_dir} does not match its config.json:\n  {shown}{more}\n"
+            f"the weights and config.json come from different models, or a download is "
+            f"incomplete"
+        )
+    return {name: found[name] for name in expected}
+
+
+def iter_checkpoint_tensors(
+    tensors: dict[str, TensorInfo], device: torch.device, progress: bool = True
+) -> Iterator[tuple[str, torch.Tensor]]:
+    by_file: dict[Path, list[str]] = {}
+    for name, info in tensors.items():
+        by_file.setdefault(info.file, []).append(name)
+    bar = tqdm(total=len(tensors), desc="Loading weights", unit="tensor", disable=not progress)
+    with bar:
+        for path, names in by_file.items():
+            with safe_open(path, framework="pt", device=str(device)) as f:
+                for name in names:
+                    yield name, f.get_tensor(name)
+                    bar.update()
+
+
+def iter_dummy_tensors(
+    expected: dict[str, tuple[int, ...]],
+    device: torch.device,
+    seed: int = 0,
+    scale: float = 0.02,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Random weights of the checkpoint's shapes, drawn on `device`, for benchmarks and the demo.
+
+    Norm weights are ones, as a trained model's are near one; everything else is normal noise.
+    """
+    generator = torch.Generator(device=device).manual_seed(seed)
+    for name, shape in expected.items():
+        if name.endswith("norm.weight"):
+            yield name, torch.ones(shape, device=device)
+        else:
+            yield name, torch.randn(shape, generator=generator, device=device).mul_(scale)

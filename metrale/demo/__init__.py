@@ -1,0 +1,101 @@
+"""The built-in demo model: runs with no network and no download.
+
+A Qwen3-architecture checkpoint of about four million parameters, with the tokenizer and chat
+template shipped in this package and weights drawn from a fixed seed into the cache directory
+the first time it is used. Its weights are random: it exercises the whole engine and server,
+but its text is gibberish.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import tempfile
+from importlib import resources
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer
+
+from metrale import envs
+
+logger = logging.getLogger(__name__)
+
+MODEL_NAME = "metrale-demo"
+VERSION = 1
+WEIGHTS_NOTICE = (
+    "Using the built-in demo model: its weights are random, so its text is gibberish. "
+    "Name a checkpoint (e.g. `met serve Qwen/Qwen3-0.6B`) for real output."
+)
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+_WEIGHT_SEED = 0
+_WEIGHT_SCALE = 0.05
+
+
+def checkpoint_dir() -> Path:
+    return envs.cache_dir() / f"demo-v{VERSION}"
+
+
+def ensure_checkpoint() -> Path:
+    """The demo checkpoint's directory, generated on first use."""
+    target = checkpoint_dir()
+    if (target / "model.safetensors").is_file():
+        return target
+    logger.info("generating the demo checkpoint in %s", target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".demo-"))
+    try:
+        _write_checkpoint(staging)
+        # Publish whole or not at all: a concurrent first run sees no directory or a full one.
+        staging.rename(target)
+    except OSError:
+        if not (target / "model.safetensors").is_file():
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _write_checkpoint(out: Path) -> None:
+    from metrale.checkpoint.weights import iter_dummy_tensors
+    from metrale.config import ModelConfig
+    from metrale.models import model_class_for
+
+    tokenizer_src = resources.files("metrale.demo") / "tokenizer"
+    for name in _TOKENIZER_FILES:
+        with resources.as_file(tokenizer_src / name) as src:
+            shutil.copyfile(src, out / name)
+    tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
+    eos_id = tokenizer.token_to_id("<|im_end|>")
+    config = {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "vocab_size": tokenizer.get_vocab_size(with_added_tokens=True),
+        "hidden_size": 256,
+        "intermediate_size": 768,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": True,
+        "attention_bias": False,
+        "torch_dtype": "float32",
+        "eos_token_id": eos_id,
+        "bos_token_id": None,
+    }
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": [eos_id], "temperature": 0.7, "top_p": 0.8, "top_k": 20},
+                   indent=2) + "\n"
+    )
+    model_config = ModelConfig.from_hf(config)
+    shapes = model_class_for(model_config.architecture).checkpoint_shapes(model_config)
+    tensors = dict(iter_dummy_tensors(shapes, torch.device("cpu"), seed=_WEIGHT_SEED,
+                                      scale=_WEIGHT_SCALE))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt", "metrale_demo": "random weights"})

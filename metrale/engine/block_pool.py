@@ -1,0 +1,106 @@
+"""The pool of KV-cache blocks, with prefix caching.
+
+A block holds the keys and values of `block_size` consecutive tokens of one sequence, for every
+layer. The pool owns every block and what stays true of each:
+- `ref_count` is the number of running requests whose block table holds it;
+- a block with `ref_count == 0` is in the free queue, least recently freed first;
+- a full block may carry the chained hash of its tokens (and of every token before them); the
+  hash maps back to the block in `cached`, and stays valid while the block sits in the free queue,
+  so a later request with the same prefix reuses it. Taking a free block for new tokens evicts
+  its hash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+BlockHash = bytes
+
+
+def hash_block(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
+    """Chained hash of one full block: it names the block's tokens and the whole prefix before.
+
+    SHA-256 rather than Python's `hash`: a server must not let one client craft a collision that
+    hands it another client's cached keys and values.
+    """
+    return hashlib.sha256(parent + np.asarray(token_ids, dtype=np.int64).tobytes()).digest()
+
+
+def root_hash(cache_salt: str | None = None) -> BlockHash:
+    """The parent of a sequence's first block; a salt keeps tenants' caches apart."""
+    return hashlib.sha256((cache_salt or "").encode()).digest()
+
+
+@dataclass(eq=False)
+class KVCacheBlock:
+    block_id: int
+    ref_count: int = 0
+    block_hash: BlockHash | None = None
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks={num_blocks}: the KV pool needs at least one block")
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self.cached: dict[BlockHash, KVCacheBlock] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.cached)
+
+    def lookup(self, block_hash: BlockHash) -> KVCacheBlock | None:
+        return self.cached.get(block_hash)
+
+    def allocate(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Take `num_blocks` free blocks, evicting the least recently freed cached contents."""
+        if num_blocks > len(self._free):
+            raise RuntimeError(f"asked for {num_blocks} blocks with {len(self._free)} free")
+        taken = []
+        for _ in range(num_blocks):
+            _, block = self._free.popitem(last=False)
+            if block.block_hash is not None:
+                del self.cached[block.block_hash]
+                block.block_hash = None
+            block.ref_count = 1
+            taken.append(block)
+        return taken
+
+    def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Claim cached blocks for one more request."""
+        for block in blocks:
+            if block.ref_count == 0:
+                del self._free[block.block_id]
+            block.ref_count += 1
+
+    def release(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Drop one request's claim; pass blocks tail first so prefixes are evicted last."""
+        for block in blocks:
+            block.ref_count -= 1
+            assert block.ref_count >= 0, f"block {block.block_id} released twice"
+            if block.ref_count == 0:
+                self._free[block.block_id] = block
+
+    def cache(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
+        """Publish a full block under its hash; an identical block published first stays."""
+        if not self.enable_prefix_caching or block.block_hash is not None:
+            return
+        if block_hash not in self.cached:
+            block.block_hash = block_hash
+            self.cached[block_hash] = block

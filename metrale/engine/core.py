@@ -1,0 +1,116 @@
+"""The engine core: the loop that schedules, runs the model and updates, and nothing else.
+
+It knows nothing of text or HTTP: requests come in as token ids with validated sampling
+parameters, and each `step()` returns the new tokens of every request that advanced.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from metrale.engine.block_pool import BlockPool
+from metrale.engine.kv_cache_manager import KVCacheManager
+from metrale.engine.request import EngineOutput, Request
+from metrale.engine.scheduler import Scheduler
+from metrale.engine_args import EngineConfig
+from metrale.runner.model_loader import load_model
+from metrale.runner.model_runner import ModelRunner
+from metrale.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """A request as the engine core receives it: already tokenized and validated."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time_s: float
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, runner: ModelRunner, scheduler: Scheduler) -> None:
+        self.config = config
+        self.runner = runner
+        self.scheduler = scheduler
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, progress: bool = True) -> EngineCore:
+        start = time.perf_counter()
+        model = load_model(
+            config.model_dir,
+            config.model,
+            dtype=config.dtype,
+            device=config.device,
+            load_format=config.load_format,
+            seed=config.seed,
+            progress=progress,
+        )
+        runner = ModelRunner(model, config.model, config.cache, config.scheduler, config.dtype,
+                             config.device)
+        pool = BlockPool(config.cache.num_blocks, config.cache.enable_prefix_caching)
+        scheduler = Scheduler(config.scheduler, KVCacheManager(pool, config.cache.block_size))
+        logger.info(
+            "engine ready in %.2f s: %s on %s (%s), %d KV blocks of %d tokens",
+            time.perf_counter() - start, config.model.architecture, config.device,
+            str(config.dtype).removeprefix("torch."), config.cache.num_blocks,
+            config.cache.block_size,
+        )
+        return cls(config, runner, scheduler)
+
+    def add_request(self, request: EngineRequest) -> None:
+        self.validate(request)
+        self.scheduler.add_request(
+            Request(
+                request_id=request.request_id,
+                prompt_token_ids=request.prompt_token_ids,
+                sampling_params=request.sampling_params,
+                eos_token_ids=self.config.eos_token_ids,
+                arrival_time_s=request.arrival_time_s,
+            )
+        )
+
+    def validate(self, request: EngineRequest) -> None:
+        """Refuse what the engine cannot run, before it touches any engine state."""
+        num_tokens = len(request.prompt_token_ids)
+        max_seq_len = self.config.scheduler.max_seq_len
+        vocab_size = self.config.model.vocab_size
+        if num_tokens == 0:
+            raise ValueError("prompt is empty: give at least one token")
+        if num_tokens > max_seq_len:
+            raise ValueError(
+                f"prompt has {num_tokens} tokens; max_seq_len is {max_seq_len}: shorten the "
+                f"prompt or raise --max-seq-len"
+            )
+        if not all(0 <= t < vocab_size for t in request.prompt_token_ids):
+            bad = next(t for t in request.prompt_token_ids if not 0 <= t < vocab_size)
+            raise ValueError(f"prompt token id {bad} is out of range: ids must be in "
+                             f"[0, {vocab_size})")
+        if any(t >= vocab_size for t in request.sampling_params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be in [0, {vocab_size})")
+        params = request.sampling_params
+        max_len = min(num_tokens + (params.max_tokens or max_seq_len), max_seq_len)
+        block_size = self.config.cache.block_size
+        if -(-max_len // block_size) > self.config.cache.num_blocks:
+            raise ValueError(
+                f"a request of up to {max_len} tokens needs {-(-max_len // block_size)} KV "
+                f"blocks but the pool has {self.config.cache.num_blocks}: lower max_tokens or "
+                f"raise --kv-cache-memory"
+            )
+        if request.request_id in self.scheduler.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in the engine")
+
+    def abort_request(self, request_id: str) -> EngineOutput | None:
+        return self.scheduler.abort_request(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished_requests > 0
+
+    def step(self) -> list[EngineOutput]:
+        scheduled = self.scheduler.schedule()
+        result = self.runner.execute(scheduled)
+        return self.scheduler.update(scheduled, result)

@@ -1,0 +1,93 @@
+"""Engine-side state of one request.
+
+The invariant everything else leans on: `num_computed_tokens` catches up with
+`num_tokens` (= len(all_token_ids)). Prefill, chunked prefill, decode and recompute after
+preemption are all "compute the tokens not yet computed"; a step that brings a request level
+samples one more token, which makes it one behind again.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from metrale.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # an EOS or stop token
+    LENGTH = "length"  # max_tokens or max_seq_len reached
+    ABORT = "abort"  # the client went away or asked to cancel
+
+
+@dataclass
+class TokenLogprobs:
+    """Log-probabilities at one output position: the sampled token's, and the top N."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 = the most likely token
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    arrival_time_s: float = field(default_factory=time.monotonic)
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_prompt_tokens: int = 0  # prompt tokens served by the prefix cache, first admission
+    num_preemptions: int = 0
+    finish_reason: FinishReason | None = None
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+
+@dataclass(frozen=True)
+class EngineOutput:
+    """What one step produced for one request: new tokens, and whether it ended."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs]
+    finish_reason: FinishReason | None
+    num_cached_tokens: int
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

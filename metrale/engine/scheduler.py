@@ -1,0 +1,190 @@
+"""First-come-first-served continuous batching with chunked prefill and preemption.
+
+Each step the scheduler gives running requests their next tokens first, oldest first; when the
+KV pool runs dry it preempts the newest running request (its blocks are freed and it is
+recomputed later, from the front of the queue). Then, if nothing was preempted, it admits waiting
+requests in arrival order while the token budget, `max_prefill_tokens`, `max_batch_size` and
+`max_num_seqs` allow; prefix-cache hits count as computed tokens.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from metrale.config import SchedulerConfig
+from metrale.engine.kv_cache_manager import KVCacheManager
+from metrale.engine.request import (
+    EngineOutput,
+    FinishReason,
+    Request,
+    RequestStatus,
+    TokenLogprobs,
+)
+from metrale.engine.step import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
+        self.config = config
+        self.kv_cache = kv_cache
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        self._finished_ids: list[str] = []
+
+    def add_request(self, request: Request) -> None:
+        self.waiting.append(request)
+        self.requests[request.request_id] = request
+
+    def abort_request(self, request_id: str) -> EngineOutput | None:
+        """End a request wherever it is; its blocks are free before the next step."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self._finish(request, FinishReason.ABORT)
+        return EngineOutput(request_id, [], [], FinishReason.ABORT, request.num_cached_prompt_tokens)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def schedule(self) -> SchedulerOutput:
+        token_budget = self.config.max_num_batched_tokens
+        prefill_budget = self.config.max_prefill_tokens
+        chunks: list[ScheduledChunk] = []
+        preempted = False
+
+        i = 0
+        while i < len(self.running) and len(chunks) < self.config.max_batch_size:
+            request = self.running[i]
+            num_new = self._num_tokens_to_compute(request, token_budget, prefill_budget)
+            if num_new == 0:
+                i += 1
+                continue
+            while not self.kv_cache.allocate(request, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+            else:
+                chunks.append(self._chunk(request, num_new))
+                token_budget -= num_new
+                if num_new > 1:
+                    prefill_budget -= num_new
+                i += 1
+
+        while (
+            self.waiting
+            and not preempted
+            and len(chunks) < self.config.max_batch_size
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            request = self.waiting[0]
+            cached_prefix = self.kv_cache.find_cached_prefix(request)
+            num_cached = len(cached_prefix) * self.kv_cache.block_size
+            request.num_computed_tokens = num_cached
+            num_new = self._num_tokens_to_compute(request, token_budget, prefill_budget)
+            if num_new == 0 or not self.kv_cache.allocate(request, num_new, cached_prefix):
+                request.num_computed_tokens = 0
+                break
+            self.waiting.popleft()
+            if request.num_preemptions == 0:
+                request.num_cached_prompt_tokens = num_cached
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            chunks.append(self._chunk(request, num_new))
+            token_budget -= num_new
+            if num_new > 1:
+                prefill_budget -= num_new
+
+        finished, self._finished_ids = self._finished_ids, []
+        return SchedulerOutput(chunks, finished)
+
+    def update(
+        self, scheduled: SchedulerOutput, result: ModelRunnerOutput
+    ) -> list[EngineOutput]:
+        """Advance every scheduled request by the step's result and report what changed."""
+        outputs = []
+        sampled = iter(zip(result.sampled_token_ids, result.logprobs, strict=True))
+        for chunk in scheduled.chunks:
+            request = self.requests[chunk.request_id]
+            request.num_computed_tokens += chunk.num_tokens
+            if not chunk.samples:
+                continue
+            token_id, logprobs = next(sampled)
+            request.append_output_token(token_id)
+            if logprobs is not None:
+                request.output_logprobs.append(logprobs)
+            finish_reason = self._check_stop(request, token_id)
+            if finish_reason is not None:
+                self.running.remove(request)
+                self._finish(request, finish_reason)
+            outputs.append(
+                EngineOutput(
+                    request.request_id,
+                    [token_id],
+                    [] if logprobs is None else [logprobs],
+                    finish_reason,
+                    request.num_cached_prompt_tokens,
+                )
+            )
+        return outputs
+
+    def _num_tokens_to_compute(
+        self, request: Request, token_budget: int, prefill_budget: int
+    ) -> int:
+        num_new = min(request.num_tokens - request.num_computed_tokens, token_budget)
+        if num_new > 1:
+            num_new = min(num_new, prefill_budget)
+        return max(num_new, 0)
+
+    def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
+        start = request.num_computed_tokens
+        end = start + num_new
+        params = request.sampling_params
+        banned: tuple[int, ...] = ()
+        if request.num_output_tokens < params.min_tokens:
+            banned = params.stop_token_ids + (() if params.ignore_eos else request.eos_token_ids)
+        return ScheduledChunk(
+            request_id=request.request_id,
+            token_ids=request.all_token_ids[start:end],
+            start_pos=start,
+            block_ids=self.kv_cache.block_ids(request.request_id),
+            samples=end == request.num_tokens,
+            sampling_params=params,
+            banned_token_ids=banned,
+        )
+
+    def _check_stop(self, request: Request, token_id: int) -> FinishReason | None:
+        params = request.sampling_params
+        # The token just sampled is output number `num_output_tokens`; stops count past min_tokens.
+        if request.num_output_tokens > params.min_tokens:
+            is_eos = not params.ignore_eos and token_id in request.eos_token_ids
+            if is_eos or token_id in params.stop_token_ids:
+                return FinishReason.STOP
+        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+            return FinishReason.LENGTH
+        if request.num_tokens >= self.config.max_seq_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        self.kv_cache.free(request)
+        del self.requests[request.request_id]
+        self._finished_ids.append(request.request_id)

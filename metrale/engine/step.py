@@ -1,0 +1,53 @@
+"""The contract between scheduling and execution: what one step computes, and what it returns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from metrale.engine.request import TokenLogprobs
+from metrale.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """The tokens of one request that this step computes.
+
+    `token_ids` start at position `start_pos` (the request's computed tokens before the step).
+    When `samples` is true the chunk reaches the request's last known token, so the step samples
+    the next one; a chunk in the middle of a long prompt samples nothing.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    start_pos: int
+    block_ids: list[int]
+    samples: bool
+    sampling_params: SamplingParams
+    banned_token_ids: tuple[int, ...] = ()  # stop tokens masked until min_tokens is reached
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    chunks: list[ScheduledChunk]
+    # Requests that ended since the previous step: the runner drops its state for them.
+    finished_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+@dataclass(frozen=True)
+class ModelRunnerOutput:
+    """One sampled token (and its logprobs, when asked) per chunk that samples, in chunk order."""
+
+    sampled_token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]

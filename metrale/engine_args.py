@@ -1,0 +1,179 @@
+"""Engine flags: one dataclass shared by `met` subcommands and the offline `LLM` class.
+
+`EngineArgs` is what the user typed; `create_config()` resolves it once into an `EngineConfig`
+(model directory found, dtype and device chosen, KV pool sized), so nothing downstream reads a
+flag twice or has to guess a default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from metrale.checkpoint.resolve import resolve_model_dir
+from metrale.config import CacheConfig, ModelConfig, SchedulerConfig, parse_dtype
+from metrale.generation_config import GenerationDefaults
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6,
+               "mib": 2**20, "g": 1e9, "gb": 1e9, "gib": 2**30, "t": 1e12, "tb": 1e12,
+               "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """'2GiB', '512MB', '1e9' -> bytes."""
+    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", str(text))
+    unit = match.group(2).lower() if match else ""
+    if not match or unit not in _SIZE_UNITS:
+        raise ValueError(f"{text!r} is not a size: write e.g. 2GiB, 512MiB or 1000000000")
+    return int(float(match.group(1)) * _SIZE_UNITS[unit])
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_dir: Path
+    model_name: str
+    model: ModelConfig
+    generation: GenerationDefaults
+    dtype: torch.dtype
+    device: torch.device
+    load_format: str
+    seed: int
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    chat_template: Path | None
+    is_demo: bool
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return tuple(dict.fromkeys(self.generation.eos_token_ids + self.model.eos_token_ids))
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None
+    model_from_path: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    load_format: str = "safetensors"
+    seed: int = 0
+    max_seq_len: int | None = None
+    max_num_seqs: int = 128
+    max_batch_size: int | None = None
+    max_prefill_tokens: int = 2048
+    max_num_batched_tokens: int | None = None
+    block_size: int = 16
+    kv_cache_memory: str = "1GiB"
+    num_kv_blocks: int | None = None
+    enable_prefix_caching: bool = True
+    chat_template: str | None = None
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        d = EngineArgs
+        g = parser.add_argument_group("model")
+        g.add_argument("--model-from-path", metavar="DIR", help="load the checkpoint in DIR "
+                       "(config.json, safetensors, tokenizer.json) instead of a Hugging Face id")
+        g.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16",
+                       "float16"], help="weight and KV dtype; auto takes the checkpoint's")
+        g.add_argument("--device", default=d.device, help="cpu, cuda, cuda:N or auto "
+                       "(a GPU when there is one)")
+        g.add_argument("--load-format", default=d.load_format, choices=["safetensors", "dummy"],
+                       help="dummy: random weights of the checkpoint's shapes (benchmarks)")
+        g.add_argument("--seed", type=int, default=d.seed, help="seed for dummy weights")
+        g.add_argument("--chat-template", metavar="FILE",
+                       help="a Jinja chat template that replaces the checkpoint's")
+        g = parser.add_argument_group("scheduling")
+        g.add_argument("--max-seq-len", type=int, help="longest prompt + output, in tokens "
+                       "(default: the model's max_position_embeddings)")
+        g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
+                       help="requests holding KV cache at once")
+        g.add_argument("--max-batch-size", type=int, help="requests in one forward step "
+                       "(default: --max-num-seqs)")
+        g.add_argument("--max-prefill-tokens", type=int, default=d.max_prefill_tokens,
+                       help="prompt tokens computed per step; longer prompts are chunked")
+        g.add_argument("--max-num-batched-tokens", type=int, help="all tokens computed per "
+                       "step (default: --max-prefill-tokens + --max-batch-size)")
+        g = parser.add_argument_group("KV cache")
+        g.add_argument("--block-size", type=int, default=d.block_size,
+                       help="tokens per KV-cache block")
+        g.add_argument("--kv-cache-memory", default=d.kv_cache_memory,
+                       help="memory for the KV pool, e.g. 4GiB")
+        g.add_argument("--num-kv-blocks", type=int,
+                       help="size the KV pool in blocks instead (overrides --kv-cache-memory)")
+        g.add_argument("--no-prefix-caching", dest="enable_prefix_caching",
+                       action="store_false", help="do not reuse KV blocks of shared prefixes")
+
+    @classmethod
+    def from_cli(cls, ns: argparse.Namespace) -> EngineArgs:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in vars(ns).items() if k in names})
+
+    def create_config(self) -> EngineConfig:
+        from metrale import demo
+
+        is_demo = self.model is None and self.model_from_path is None
+        model_dir = demo.ensure_checkpoint() if is_demo else resolve_model_dir(
+            self.model, self.model_from_path)
+        model_config = ModelConfig.from_dir(model_dir)
+        dtype = model_config.dtype if self.dtype == "auto" else parse_dtype(self.dtype)
+        device = _resolve_device(self.device)
+
+        max_seq_len = self.max_seq_len or model_config.max_position_embeddings
+        if max_seq_len > model_config.max_position_embeddings:
+            raise ValueError(
+                f"max_seq_len={max_seq_len} exceeds the model's max_position_embeddings "
+                f"({model_config.max_position_embeddings})")
+        max_batch_size = min(self.max_batch_size or self.max_num_seqs, self.max_num_seqs)
+        scheduler = SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_batch_size=max_batch_size,
+            max_prefill_tokens=self.max_prefill_tokens,
+            max_num_batched_tokens=self.max_num_batched_tokens
+            or self.max_prefill_tokens + max_batch_size,
+            max_seq_len=max_seq_len,
+        )
+        cache = CacheConfig(
+            block_size=self.block_size,
+            num_blocks=self.num_kv_blocks or _num_blocks_for(
+                parse_bytes(self.kv_cache_memory), model_config, self.block_size, dtype),
+            enable_prefix_caching=self.enable_prefix_caching,
+        )
+        return EngineConfig(
+            model_dir=model_dir,
+            model_name=demo.MODEL_NAME if is_demo else (self.model or str(model_dir)),
+            model=model_config,
+            generation=GenerationDefaults.from_dir(model_dir),
+            dtype=dtype,
+            device=device,
+            load_format=self.load_format,
+            seed=self.seed,
+            cache=cache,
+            scheduler=scheduler,
+            chat_template=Path(self.chat_template) if self.chat_template else None,
+            is_demo=is_demo,
+        )
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={name!r} but no CUDA device is visible: use --device cpu")
+    return device
+
+
+def _num_blocks_for(budget_bytes: int, model: ModelConfig, block_size: int,
+                    dtype: torch.dtype) -> int:
+    per_block = CacheConfig.bytes_per_block(model, block_size, dtype)
+    num_blocks = budget_bytes // per_block
+    if num_blocks < 1:
+        raise ValueError(
+            f"kv_cache_memory={budget_bytes} bytes holds no block of {per_block} bytes: "
+            f"raise --kv-cache-memory")
+    return num_blocks

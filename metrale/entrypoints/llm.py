@@ -1,0 +1,130 @@
+"""`LLM`: offline batched generation through the engine, in vLLM's shape."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+from collections.abc import Sequence
+
+from tqdm import tqdm
+
+from metrale import demo
+from metrale.engine.core import EngineCore
+from metrale.engine_args import EngineArgs
+from metrale.frontend.input_processor import InputProcessor, Prompt
+from metrale.frontend.output_processor import OutputProcessor
+from metrale.outputs import RequestOutput
+from metrale.sampling_params import SamplingParams
+from metrale.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class LLM:
+    """Generate from a checkpoint with Metrale's engine, in this process.
+
+    `LLM()` runs the built-in demo model; `LLM("org/name")` a Hugging Face id (local cache first)
+    and `LLM(model_from_path=DIR)` a directory. Other keyword arguments are engine flags
+    (`EngineArgs`: max_num_seqs, max_prefill_tokens, kv_cache_memory, dtype, ...).
+    """
+
+    def __init__(self, model: str | None = None, **engine_args: object) -> None:
+        self.config = EngineArgs(model=model, **engine_args).create_config()  # type: ignore[arg-type]
+        if self.config.is_demo:
+            logger.warning(demo.WEIGHTS_NOTICE)
+        self.tokenizer = Tokenizer.from_dir(
+            self.config.model_dir,
+            chat_template_path=self.config.chat_template,
+            model_type=self.config.model.model_type,
+        )
+        self.engine = EngineCore.from_config(self.config)
+        self._inputs = InputProcessor(self.tokenizer)
+        self._outputs = OutputProcessor(self.tokenizer)
+        self._request_counter = itertools.count()
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.tokenizer
+
+    def default_sampling_params(self) -> SamplingParams:
+        """The checkpoint's generation_config.json defaults."""
+        return SamplingParams(**self.config.generation.sampling_overrides())
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in the order of the prompts.
+
+        Every request is validated before any is queued, so one bad request raises
+        `ValueError` and leaves the engine as it was.
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if sampling_params is None:
+            sampling_params = self.default_sampling_params()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"got {len(params_list)} sampling_params for {len(prompts)} prompts: give "
+                    f"one, or one per prompt"
+                )
+
+        processed = []
+        groups = []  # (request id, the ids of its engine requests)
+        for prompt, params in zip(prompts, params_list, strict=True):
+            request_id = str(next(self._request_counter))
+            text, engine_request = self._inputs.process(request_id, prompt, params)
+            children = []
+            for child_id, child_params in _fan_out(request_id, params):
+                child = dataclasses.replace(engine_request, request_id=child_id,
+                                            sampling_params=child_params)
+                self.engine.validate(child)
+                processed.append((text, child))
+                children.append(child_id)
+            groups.append((request_id, children))
+
+        for text, request in processed:
+            self.engine.add_request(request)
+            self._outputs.add_request(request.request_id, text, request.prompt_token_ids,
+                                      request.sampling_params)
+        finished = self._run(len(processed), use_tqdm)
+        return [_merge(request_id, [finished[c] for c in children])
+                for request_id, children in groups]
+
+    def _run(self, num_requests: int, use_tqdm: bool) -> dict[str, RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=num_requests, desc="Generating", unit="req", disable=not use_tqdm)
+        with bar:
+            while self.engine.has_unfinished_requests():
+                for engine_output in self.engine.step():
+                    output = self._outputs.process(engine_output)
+                    if output is not None:
+                        finished[output.request_id] = output
+                        bar.update()
+        return finished
+
+def _fan_out(request_id: str, params: SamplingParams) -> list[tuple[str, SamplingParams]]:
+    """One engine request per wanted completion (`n`), each with its own seed when seeded."""
+    if params.n == 1:
+        return [(request_id, params)]
+    return [
+        (f"{request_id}-{i}", dataclasses.replace(
+            params, n=1, seed=None if params.seed is None else params.seed + i))
+        for i in range(params.n)
+    ]
+
+
+def _merge(request_id: str, children: list[RequestOutput]) -> RequestOutput:
+    merged = children[0]
+    merged.request_id = request_id
+    merged.outputs = [child.outputs[0] for child in children]
+    for index, completion in enumerate(merged.outputs):
+        completion.index = index
+    return merged

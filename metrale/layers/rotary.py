@@ -1,0 +1,65 @@
+"""Rotary position embeddings (the "rotate half" / NeoX layout), with Llama-3 and linear scaling."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from metrale.config import RopeConfig
+
+
+def inverse_frequencies(rope: RopeConfig, rotary_dim: int) -> torch.Tensor:
+    """[rotary_dim // 2] fp32 inverse frequencies, scaled as the checkpoint asks."""
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+    inv_freq = 1.0 / (rope.theta**exponents)
+    if rope.rope_type == "linear":
+        return inv_freq / rope.factor
+    if rope.rope_type == "llama3":
+        return _llama3_scale(inv_freq, rope)
+    return inv_freq
+
+
+def _llama3_scale(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
+    """Llama 3.1's frequency-dependent scaling.
+
+    Long wavelengths are slowed down by `factor`, short ones are kept, and the band between is
+    blended smoothly; see the Llama 3 paper, section 3.3.
+    """
+    old_context = rope.original_max_position_embeddings or 8192
+    low_freq_wavelen = old_context / rope.low_freq_factor
+    high_freq_wavelen = old_context / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (old_context / wavelen - rope.low_freq_factor) / (
+        rope.high_freq_factor - rope.low_freq_factor
+    )
+    blended = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, blended, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Holds cos and sin for every position up to `max_positions`, computed once in fp32."""
+
+    def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig) -> None:
+        super().__init__()
+        inv_freq = inverse_frequencies(rope, head_dim)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
+        self.register_buffer("cos_cache", emb.cos(), persistent=False)
+        self.register_buffer("sin_cache", emb.sin(), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions: [num_tokens]; q: [num_tokens, num_heads, head_dim]; k: [.., num_kv_heads, ..]
+        cos = self.cos_cache[positions].unsqueeze(1).to(q.dtype)
+        sin = self.sin_cache[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)

@@ -1,0 +1,202 @@
+"""The Llama family: Llama 2/3, Mistral, Qwen2/2.5 and Qwen3.
+
+They share one decoder; a family differs only in flags: Qwen2 adds biases to q/k/v, Qwen3 adds
+an RMSNorm over each query and key head before the rotary embedding. The model works on the flat
+token batch of a step: `forward(input_ids [num_tokens], positions [num_tokens], meta)`.
+
+Checkpoint tensors keep their Hugging Face names; q/k/v and gate/up are fused into one matrix
+each at load time, so a layer runs two matmuls where the checkpoint has five.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from metrale.config import ModelConfig
+from metrale.layers.activation import silu_and_mul
+from metrale.layers.attention import Attention, AttentionMetadata
+from metrale.layers.layernorm import RMSNorm
+from metrale.layers.rotary import RotaryEmbedding
+from metrale.models.registry import register_model
+
+# Checkpoint projection -> (fused parameter, index of its shard in the fused matrix).
+_FUSED_SHARDS = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, *, qkv_bias: bool,
+                 qk_norm: bool) -> None:
+        super().__init__()
+        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.head_dim = config.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
+                                  bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.rotary = rotary
+        self.attn = Attention(config.num_heads, config.num_kv_heads, config.head_dim)
+
+    def shard_sizes(self, fused: str) -> list[int]:
+        return [self.q_size, self.kv_size, self.kv_size]
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, -1, self.head_dim)
+        k = k.view(num_tokens, -1, self.head_dim)
+        v = v.view(num_tokens, -1, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm.norm(q), self.k_norm.norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = self.attn(q, k, v, meta)  # [num_tokens, num_heads, head_dim]
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class DecoderMLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def shard_sizes(self, fused: str) -> list[int]:
+        return [self.intermediate_size, self.intermediate_size]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, *, qkv_bias: bool,
+                 qk_norm: bool) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = DecoderAttention(config, rotary, qkv_bias=qkv_bias, qk_norm=qk_norm)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = DecoderMLP(config)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config: ModelConfig, *, qkv_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # One rotary table shared by every layer (not a parameter: it is rebuilt, never loaded).
+        rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, rotary, qkv_bias=qkv_bias, qk_norm=qk_norm)
+            for _ in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, meta)
+        return self.norm(x, residual)[0]
+
+
+@register_model("LlamaForCausalLM", "MistralForCausalLM")
+class LlamaForCausalLM(nn.Module):
+    """Llama 2/3 and Mistral; the base of the family."""
+
+    qkv_bias_always = False
+    qk_norm = False
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config, qkv_bias=self.has_qkv_bias(config),
+                                  qk_norm=self.qk_norm)
+        if config.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @classmethod
+    def has_qkv_bias(cls, config: ModelConfig) -> bool:
+        return cls.qkv_bias_always or config.attention_bias
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states [num_tokens, hidden_size] of the step's flat batch."""
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return hidden @ weight.t()
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    @classmethod
+    def checkpoint_shapes(cls, config: ModelConfig) -> dict[str, tuple[int, ...]]:
+        """Every tensor a Hugging Face checkpoint of this config holds, by name."""
+        h, i = config.hidden_size, config.intermediate_size
+        shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, h)}
+        for n in range(config.num_layers):
+            p = f"model.layers.{n}."
+            shapes[p + "self_attn.q_proj.weight"] = (config.q_size, h)
+            shapes[p + "self_attn.k_proj.weight"] = (config.kv_size, h)
+            shapes[p + "self_attn.v_proj.weight"] = (config.kv_size, h)
+            if cls.has_qkv_bias(config):
+                shapes[p + "self_attn.q_proj.bias"] = (config.q_size,)
+                shapes[p + "self_attn.k_proj.bias"] = (config.kv_size,)
+                shapes[p + "self_attn.v_proj.bias"] = (config.kv_size,)
+            shapes[p + "self_attn.o_proj.weight"] = (h, config.q_size)
+            if cls.qk_norm:
+                shapes[p + "self_attn.q_norm.weight"] = (config.head_dim,)
+                shapes[p + "self_attn.k_norm.weight"] = (config.head_dim,)
+            shapes[p + "mlp.gate_proj.weight"] = (i, h)
+            shapes[p + "mlp.up_proj.weight"] = (i, h)
+            shapes[p + "mlp.down_proj.weight"] = (h, i)
+            shapes[p + "input_layernorm.weight"] = (h,)
+            shapes[p + "post_attention_layernorm.weight"] = (h,)
+        shapes["model.norm.weight"] = (h,)
+        if not config.tie_word_embeddings:
+            shapes["lm_head.weight"] = (config.vocab_size, h)
+        return shapes
+
+    @torch.no_grad()
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors into the model, fusing q/k/v and gate/up as they come."""
+        params = dict(self.named_parameters())
+        for name, tensor in tensors:
+            module_name, _, param_kind = name.rpartition(".")
+            parent_name, _, proj = module_name.rpartition(".")
+            if proj in _FUSED_SHARDS:
+                fused, shard = _FUSED_SHARDS[proj]
+                sizes = self.get_submodule(parent_name).shard_sizes(fused)
+                target = params[f"{parent_name}.{fused}.{param_kind}"]
+                target.narrow(0, sum(sizes[:shard]), sizes[shard]).copy_(tensor)
+            elif name in params:
+                params[name].copy_(tensor)
+
+
+@register_model("Qwen2ForCausalLM")
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    qkv_bias_always = True
+
+
+@register_model("Qwen3ForCausalLM")
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    qk_norm = True

@@ -1,0 +1,41 @@
+"""Persistent input buffers for the flat batch of a step.
+
+Allocated once at the largest step size, so the per-step work is filling numpy views of host
+memory and one non-blocking copy per tensor: no allocation in the hot path, and fixed device
+addresses that a captured CUDA graph can read. On CPU the host buffer is the device buffer.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class InputBuffer:
+    """A host/device pair of 1-D or 2-D buffers of one dtype."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+        on_cuda = device.type == "cuda"
+        self.host = torch.zeros(shape, dtype=dtype, pin_memory=on_cuda)
+        self.device = torch.zeros(shape, dtype=dtype, device=device) if on_cuda else self.host
+        self.np: np.ndarray = self.host.numpy()
+
+    def copy_to_device(self, n: int) -> torch.Tensor:
+        """The first `n` rows, on the device."""
+        if self.device is self.host:
+            return self.host[:n]
+        return self.device[:n].copy_(self.host[:n], non_blocking=True)
+
+
+class InputBuffers:
+    def __init__(
+        self, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int,
+        device: torch.device,
+    ) -> None:
+        self.input_ids = InputBuffer((max_num_tokens,), torch.int64, device)
+        self.positions = InputBuffer((max_num_tokens,), torch.int64, device)
+        self.slot_mapping = InputBuffer((max_num_tokens,), torch.int64, device)
+        self.query_lens = InputBuffer((max_num_seqs,), torch.int64, device)
+        self.query_start_loc = InputBuffer((max_num_seqs + 1,), torch.int64, device)
+        self.block_tables = InputBuffer((max_num_seqs, max_blocks_per_seq), torch.int64, device)
+        self.logits_indices = InputBuffer((max_num_seqs,), torch.int64, device)

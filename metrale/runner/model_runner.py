@@ -1,0 +1,169 @@
+"""Run one scheduled step: flat inputs in, one sampled token per finishing chunk out.
+
+The step's requests are laid end to end with no padding between them (`input_ids`,
+`positions`, `slot_mapping`), the model runs once over all of them, logits are computed only at
+each sampling chunk's last token, and the sampler picks on the device. The host waits for the
+device once, where the sampled ids come back.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from metrale.config import CacheConfig, ModelConfig, SchedulerConfig
+from metrale.engine.request import TokenLogprobs
+from metrale.engine.step import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
+from metrale.layers.attention import AttentionMetadata
+from metrale.runner.input_buffers import InputBuffers
+from metrale.runner.sampler import SamplerOutput, SamplingMetadata, sample
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: nn.Module,
+        model_config: ModelConfig,
+        cache_config: CacheConfig,
+        scheduler_config: SchedulerConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.model_config = model_config
+        self.block_size = cache_config.block_size
+        self.device = device
+        self.kv_caches = self._allocate_kv_cache(model, model_config, cache_config, dtype, device)
+        max_blocks_per_seq = -(-scheduler_config.max_seq_len // self.block_size)
+        self.buffers = InputBuffers(
+            scheduler_config.max_num_batched_tokens,
+            scheduler_config.max_batch_size,
+            max_blocks_per_seq,
+            device,
+        )
+        self._generators: dict[str, torch.Generator] = {}
+
+    @staticmethod
+    def _allocate_kv_cache(
+        model: nn.Module, config: ModelConfig, cache: CacheConfig, dtype: torch.dtype,
+        device: torch.device,
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        shape = (cache.num_blocks, cache.block_size, config.num_kv_heads, config.head_dim)
+        # Zeros, not empty: masked-out slots are still multiplied by zero weights, and
+        # uninitialized memory may hold NaN, which zero does not cancel.
+        caches = []
+        for layer in model.attention_layers():
+            k_cache = torch.zeros(shape, dtype=dtype, device=device)
+            v_cache = torch.zeros(shape, dtype=dtype, device=device)
+            layer.bind_cache(k_cache, v_cache)
+            caches.append((k_cache, v_cache))
+        return caches
+
+    @torch.inference_mode()
+    def execute(self, scheduled: SchedulerOutput) -> ModelRunnerOutput:
+        for request_id in scheduled.finished_request_ids:
+            self._generators.pop(request_id, None)
+        if scheduled.is_empty:
+            return ModelRunnerOutput([], [])
+        input_ids, positions, meta, logits_indices = self._prepare_inputs(scheduled.chunks)
+        hidden = self.model(input_ids, positions, meta)  # [num_tokens, hidden_size]
+        sampling_chunks = [c for c in scheduled.chunks if c.samples]
+        if not sampling_chunks:
+            return ModelRunnerOutput([], [])
+        logits = self.model.compute_logits(hidden[logits_indices]).float()
+        result = sample(logits, self._sampling_metadata(sampling_chunks))
+        return self._to_host(result, sampling_chunks)
+
+    def _prepare_inputs(
+        self, chunks: list[ScheduledChunk]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        b = self.buffers
+        bs = self.block_size
+        num_tokens = 0
+        num_seqs = len(chunks)
+        max_query_len = 0
+        max_blocks = 0
+        num_samples = 0
+        b.query_start_loc.np[0] = 0
+        for i, chunk in enumerate(chunks):
+            n = chunk.num_tokens
+            end = num_tokens + n
+            pos = np.arange(chunk.start_pos, chunk.start_pos + n)
+            block_ids = np.asarray(chunk.block_ids)
+            b.input_ids.np[num_tokens:end] = chunk.token_ids
+            b.positions.np[num_tokens:end] = pos
+            b.slot_mapping.np[num_tokens:end] = block_ids[pos // bs] * bs + pos % bs
+            b.block_tables.np[i, : len(block_ids)] = block_ids
+            b.query_lens.np[i] = n
+            b.query_start_loc.np[i + 1] = end
+            if chunk.samples:
+                b.logits_indices.np[num_samples] = end - 1
+                num_samples += 1
+            num_tokens = end
+            max_query_len = max(max_query_len, n)
+            max_blocks = max(max_blocks, -(-(chunk.start_pos + n) // bs))
+
+        positions = b.positions.copy_to_device(num_tokens)
+        meta = AttentionMetadata.build(
+            positions=positions,
+            slot_mapping=b.slot_mapping.copy_to_device(num_tokens),
+            block_tables=b.block_tables.copy_to_device(num_seqs)[:, :max_blocks],
+            query_lens=b.query_lens.copy_to_device(num_seqs),
+            query_start_loc=b.query_start_loc.copy_to_device(num_seqs + 1),
+            max_query_len=max_query_len,
+            block_size=bs,
+            sliding_window=self.model_config.sliding_window,
+        )
+        input_ids = b.input_ids.copy_to_device(num_tokens)
+        return input_ids, positions, meta, b.logits_indices.copy_to_device(num_samples)
+
+    def _sampling_metadata(self, chunks: list[ScheduledChunk]) -> SamplingMetadata:
+        params = [c.sampling_params for c in chunks]
+        vocab_size = self.model_config.vocab_size
+        generators = {}
+        for row, chunk in enumerate(chunks):
+            seed = chunk.sampling_params.seed
+            if seed is not None and not chunk.sampling_params.greedy:
+                generators[row] = self._generator(chunk.request_id, seed)
+        logprobs = [p.logprobs for p in params if p.logprobs is not None]
+        return SamplingMetadata(
+            temperature=self._tensor([p.temperature for p in params], torch.float32),
+            top_k=self._tensor([p.top_k or vocab_size for p in params], torch.int64),
+            top_p=self._tensor([p.top_p for p in params], torch.float32),
+            min_p=self._tensor([p.min_p for p in params], torch.float32),
+            all_greedy=all(p.greedy for p in params),
+            any_top_k_or_p=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
+            any_min_p=any(p.min_p > 0 for p in params),
+            generators=generators,
+            banned=[(row, c.banned_token_ids) for row, c in enumerate(chunks) if c.banned_token_ids],
+            max_num_logprobs=max(logprobs) if logprobs else None,
+        )
+
+    def _generator(self, request_id: str, seed: int) -> torch.Generator:
+        generator = self._generators.get(request_id)
+        if generator is None:
+            generator = torch.Generator(device=self.device).manual_seed(seed)
+            self._generators[request_id] = generator
+        return generator
+
+    def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+
+    def _to_host(self, result: SamplerOutput, chunks: list[ScheduledChunk]) -> ModelRunnerOutput:
+        token_ids = result.token_ids.tolist()  # the step's one sync with the device
+        if result.logprobs is None:
+            return ModelRunnerOutput(token_ids, [None] * len(token_ids))
+        chosen = result.logprobs.tolist()
+        ranks = result.ranks.tolist()
+        top_ids = result.top_ids.tolist()
+        top_logprobs = result.top_logprobs.tolist()
+        logprobs: list[TokenLogprobs | None] = []
+        for row, chunk in enumerate(chunks):
+            n = chunk.sampling_params.logprobs
+            if n is None:
+                logprobs.append(None)
+                continue
+            top = list(zip(top_ids[row][:n], top_logprobs[row][:n], strict=True))
+            logprobs.append(TokenLogprobs(token_ids[row], chosen[row], ranks[row], top))
+        return ModelRunnerOutput(token_ids, logprobs)

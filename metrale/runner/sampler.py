@@ -1,0 +1,89 @@
+"""Pick each request's next token from its logits, batched on the device.
+
+One pass serves a whole batch of mixed requests: greedy rows take the argmax, the others go
+through temperature, top-k, top-p and min-p, then draw by the exponential race
+(argmax of p / q with q ~ Exp(1), the same distribution as sampling from p). A seeded request
+draws its noise from its own generator, so its tokens depend on its seed alone, whatever else
+shares the batch. Nothing here syncs with the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingMetadata:
+    temperature: torch.Tensor  # [num_rows] fp32; 0 marks a greedy row
+    top_k: torch.Tensor  # [num_rows] int64; vocab size where disabled
+    top_p: torch.Tensor  # [num_rows] fp32
+    min_p: torch.Tensor  # [num_rows] fp32
+    all_greedy: bool
+    any_top_k_or_p: bool
+    any_min_p: bool
+    generators: dict[int, torch.Generator]  # row -> generator of a seeded request
+    banned: list[tuple[int, tuple[int, ...]]]  # (row, token ids) masked this step (min_tokens)
+    max_num_logprobs: int | None  # largest top-N asked in the batch; None: no logprobs
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    token_ids: torch.Tensor  # [num_rows] int64
+    logprobs: torch.Tensor | None  # [num_rows] fp32, of the sampled token
+    ranks: torch.Tensor | None  # [num_rows] int64, 1 = most likely
+    top_ids: torch.Tensor | None  # [num_rows, max_num_logprobs]
+    top_logprobs: torch.Tensor | None  # [num_rows, max_num_logprobs]
+
+
+def sample(logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+    # logits: [num_rows, vocab_size] fp32
+    raw_logprobs = None
+    if meta.max_num_logprobs is not None:
+        raw_logprobs = torch.log_softmax(logits, dim=-1)
+    for row, token_ids in meta.banned:
+        logits[row, list(token_ids)] = float("-inf")
+
+    greedy_ids = logits.argmax(dim=-1)
+    if meta.all_greedy:
+        token_ids = greedy_ids
+    else:
+        is_greedy = meta.temperature == 0
+        temperature = torch.where(is_greedy, 1.0, meta.temperature)
+        logits = logits / temperature.unsqueeze(1)
+        if meta.any_top_k_or_p:
+            logits = _apply_top_k_top_p(logits, meta.top_k, meta.top_p)
+        probs = torch.softmax(logits, dim=-1)
+        if meta.any_min_p:
+            threshold = meta.min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+            probs = probs.masked_fill(probs < threshold, 0.0)
+        noise = torch.empty_like(probs).exponential_()
+        for row, generator in meta.generators.items():
+            noise[row].exponential_(generator=generator)
+        sampled_ids = (probs / noise).argmax(dim=-1)
+        token_ids = torch.where(is_greedy, greedy_ids, sampled_ids)
+
+    if raw_logprobs is None:
+        return SamplerOutput(token_ids, None, None, None, None)
+    chosen = raw_logprobs.gather(1, token_ids.unsqueeze(1))  # [num_rows, 1]
+    ranks = (raw_logprobs > chosen).sum(dim=-1) + 1
+    top_logprobs, top_ids = raw_logprobs.topk(meta.max_num_logprobs, dim=-1)
+    return SamplerOutput(token_ids, chosen.squeeze(1), ranks, top_ids, top_logprobs)
+
+
+def _apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    """Mask to -inf every token outside each row's top-k and top-p nucleus."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(logits.shape[-1], device=logits.device)
+    outside = ranks.unsqueeze(0) >= top_k.unsqueeze(1)
+    sorted_probs = sorted_logits.masked_fill(outside, float("-inf")).softmax(dim=-1)
+    # A token is outside the nucleus once the mass before it already reaches top_p; the first
+    # token is always kept.
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    outside |= mass_before >= top_p.unsqueeze(1)
+    outside[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(outside, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)

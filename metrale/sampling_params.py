@@ -1,0 +1,67 @@
+"""Every sampling knob a request carries, validated once at the edge.
+
+The engine trusts a `SamplingParams` it is handed: each check lives in `__post_init__`, and each
+error names the field and the allowed range, so a bad request is refused before it reaches the
+scheduler and never disturbs the requests already running.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each next token and when to stop.
+
+    `temperature == 0` means greedy. `top_k == 0` and `top_p == 1` and `min_p == 0` disable those
+    filters. `logprobs=N` returns the sampled token's log-probability plus the top N; the values
+    are those of the model's raw distribution (before temperature and filters), as in vLLM.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    MAX_LOGPROBS = 20
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if self.n < 1:
+            _fail("n", self.n, "must be >= 1")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            _fail("temperature", self.temperature, "must be a finite number >= 0 (0 = greedy)")
+        if self.top_k < 0:
+            _fail("top_k", self.top_k, "must be >= 0 (0 disables top-k)")
+        if not (0.0 < self.top_p <= 1.0):
+            _fail("top_p", self.top_p, "must be in (0, 1]")
+        if not (0.0 <= self.min_p <= 1.0):
+            _fail("min_p", self.min_p, "must be in [0, 1]")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            _fail("max_tokens", self.max_tokens, "must be >= 1")
+        if self.min_tokens < 0:
+            _fail("min_tokens", self.min_tokens, "must be >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            _fail("min_tokens", self.min_tokens, f"must be <= max_tokens ({self.max_tokens})")
+        if self.logprobs is not None and not (0 <= self.logprobs <= self.MAX_LOGPROBS):
+            _fail("logprobs", self.logprobs, f"must be in [0, {self.MAX_LOGPROBS}]")
+        if any(t < 0 for t in self.stop_token_ids):
+            _fail("stop_token_ids", list(self.stop_token_ids), "token ids must be >= 0")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _fail(name: str, value: object, rule: str) -> None:
+    raise ValueError(f"{name}={value!r} is out of range: {name} {rule}")
