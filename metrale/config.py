@@ -138,7 +138,9 @@ class ModelConfig:
                 eos_token_ids=eos_ids,
             )
         except KeyError as e:
-            raise ValueError(f"{source} lacks the field {e.args[0]!r} this architecture needs") from e
+            raise ValueError(
+                f"{source} lacks the field {e.args[0]!r} this architecture needs"
+            ) from e
 
     @property
     def q_size(self) -> int:

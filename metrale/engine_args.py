@@ -19,9 +19,22 @@ from metrale.checkpoint.resolve import resolve_model_dir
 from metrale.config import CacheConfig, ModelConfig, SchedulerConfig, parse_dtype
 from metrale.generation_config import GenerationDefaults
 
-_SIZE_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6,
-               "mib": 2**20, "g": 1e9, "gb": 1e9, "gib": 2**30, "t": 1e12, "tb": 1e12,
-               "tib": 2**40}
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1e3,
+    "kb": 1e3,
+    "kib": 2**10,
+    "m": 1e6,
+    "mb": 1e6,
+    "mib": 2**20,
+    "g": 1e9,
+    "gb": 1e9,
+    "gib": 2**30,
+    "t": 1e12,
+    "tb": 1e12,
+    "tib": 2**40,
+}
 
 
 def parse_bytes(text: str) -> int:
@@ -76,37 +89,80 @@ class EngineArgs:
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
         d = EngineArgs
         g = parser.add_argument_group("model")
-        g.add_argument("--model-from-path", metavar="DIR", help="load the checkpoint in DIR "
-                       "(config.json, safetensors, tokenizer.json) instead of a Hugging Face id")
-        g.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16",
-                       "float16"], help="weight and KV dtype; auto takes the checkpoint's")
-        g.add_argument("--device", default=d.device, help="cpu, cuda, cuda:N or auto "
-                       "(a GPU when there is one)")
-        g.add_argument("--load-format", default=d.load_format, choices=["safetensors", "dummy"],
-                       help="dummy: random weights of the checkpoint's shapes (benchmarks)")
+        g.add_argument(
+            "--model-from-path",
+            metavar="DIR",
+            help="load the checkpoint in DIR "
+            "(config.json, safetensors, tokenizer.json) instead of a Hugging Face id",
+        )
+        g.add_argument(
+            "--dtype",
+            default=d.dtype,
+            choices=["auto", "float32", "bfloat16", "float16"],
+            help="weight and KV dtype; auto takes the checkpoint's",
+        )
+        g.add_argument(
+            "--device", default=d.device, help="cpu, cuda, cuda:N or auto (a GPU when there is one)"
+        )
+        g.add_argument(
+            "--load-format",
+            default=d.load_format,
+            choices=["safetensors", "dummy"],
+            help="dummy: random weights of the checkpoint's shapes (benchmarks)",
+        )
         g.add_argument("--seed", type=int, default=d.seed, help="seed for dummy weights")
-        g.add_argument("--chat-template", metavar="FILE",
-                       help="a Jinja chat template that replaces the checkpoint's")
+        g.add_argument(
+            "--chat-template",
+            metavar="FILE",
+            help="a Jinja chat template that replaces the checkpoint's",
+        )
         g = parser.add_argument_group("scheduling")
-        g.add_argument("--max-seq-len", type=int, help="longest prompt + output, in tokens "
-                       "(default: the model's max_position_embeddings)")
-        g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
-                       help="requests holding KV cache at once")
-        g.add_argument("--max-batch-size", type=int, help="requests in one forward step "
-                       "(default: --max-num-seqs)")
-        g.add_argument("--max-prefill-tokens", type=int, default=d.max_prefill_tokens,
-                       help="prompt tokens computed per step; longer prompts are chunked")
-        g.add_argument("--max-num-batched-tokens", type=int, help="all tokens computed per "
-                       "step (default: --max-prefill-tokens + --max-batch-size)")
+        g.add_argument(
+            "--max-seq-len",
+            type=int,
+            help="longest prompt + output, in tokens "
+            "(default: the model's max_position_embeddings)",
+        )
+        g.add_argument(
+            "--max-num-seqs",
+            type=int,
+            default=d.max_num_seqs,
+            help="requests holding KV cache at once",
+        )
+        g.add_argument(
+            "--max-batch-size",
+            type=int,
+            help="requests in one forward step (default: --max-num-seqs)",
+        )
+        g.add_argument(
+            "--max-prefill-tokens",
+            type=int,
+            default=d.max_prefill_tokens,
+            help="prompt tokens computed per step; longer prompts are chunked",
+        )
+        g.add_argument(
+            "--max-num-batched-tokens",
+            type=int,
+            help="all tokens computed per step (default: --max-prefill-tokens + --max-batch-size)",
+        )
         g = parser.add_argument_group("KV cache")
-        g.add_argument("--block-size", type=int, default=d.block_size,
-                       help="tokens per KV-cache block")
-        g.add_argument("--kv-cache-memory", default=d.kv_cache_memory,
-                       help="memory for the KV pool, e.g. 4GiB")
-        g.add_argument("--num-kv-blocks", type=int,
-                       help="size the KV pool in blocks instead (overrides --kv-cache-memory)")
-        g.add_argument("--no-prefix-caching", dest="enable_prefix_caching",
-                       action="store_false", help="do not reuse KV blocks of shared prefixes")
+        g.add_argument(
+            "--block-size", type=int, default=d.block_size, help="tokens per KV-cache block"
+        )
+        g.add_argument(
+            "--kv-cache-memory", default=d.kv_cache_memory, help="memory for the KV pool, e.g. 4GiB"
+        )
+        g.add_argument(
+            "--num-kv-blocks",
+            type=int,
+            help="size the KV pool in blocks instead (overrides --kv-cache-memory)",
+        )
+        g.add_argument(
+            "--no-prefix-caching",
+            dest="enable_prefix_caching",
+            action="store_false",
+            help="do not reuse KV blocks of shared prefixes",
+        )
 
     @classmethod
     def from_cli(cls, ns: argparse.Namespace) -> EngineArgs:
@@ -117,8 +173,11 @@ class EngineArgs:
         from metrale import demo
 
         is_demo = self.model is None and self.model_from_path is None
-        model_dir = demo.ensure_checkpoint() if is_demo else resolve_model_dir(
-            self.model, self.model_from_path)
+        model_dir = (
+            demo.ensure_checkpoint()
+            if is_demo
+            else resolve_model_dir(self.model, self.model_from_path)
+        )
         model_config = ModelConfig.from_dir(model_dir)
         dtype = model_config.dtype if self.dtype == "auto" else parse_dtype(self.dtype)
         device = _resolve_device(self.device)
@@ -127,7 +186,8 @@ class EngineArgs:
         if max_seq_len > model_config.max_position_embeddings:
             raise ValueError(
                 f"max_seq_len={max_seq_len} exceeds the model's max_position_embeddings "
-                f"({model_config.max_position_embeddings})")
+                f"({model_config.max_position_embeddings})"
+            )
         max_batch_size = min(self.max_batch_size or self.max_num_seqs, self.max_num_seqs)
         scheduler = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
@@ -139,8 +199,10 @@ class EngineArgs:
         )
         cache = CacheConfig(
             block_size=self.block_size,
-            num_blocks=self.num_kv_blocks or _num_blocks_for(
-                parse_bytes(self.kv_cache_memory), model_config, self.block_size, dtype),
+            num_blocks=self.num_kv_blocks
+            or _num_blocks_for(
+                parse_bytes(self.kv_cache_memory), model_config, self.block_size, dtype
+            ),
             enable_prefix_caching=self.enable_prefix_caching,
         )
         return EngineConfig(
@@ -168,12 +230,14 @@ def _resolve_device(name: str) -> torch.device:
     return device
 
 
-def _num_blocks_for(budget_bytes: int, model: ModelConfig, block_size: int,
-                    dtype: torch.dtype) -> int:
+def _num_blocks_for(
+    budget_bytes: int, model: ModelConfig, block_size: int, dtype: torch.dtype
+) -> int:
     per_block = CacheConfig.bytes_per_block(model, block_size, dtype)
     num_blocks = budget_bytes // per_block
     if num_blocks < 1:
         raise ValueError(
             f"kv_cache_memory={budget_bytes} bytes holds no block of {per_block} bytes: "
-            f"raise --kv-cache-memory")
+            f"raise --kv-cache-memory"
+        )
     return num_blocks

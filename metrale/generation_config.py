@@ -38,6 +38,10 @@ class GenerationDefaults:
 
     def sampling_overrides(self) -> dict[str, Any]:
         """The defaults that differ from SamplingParams' own, as keyword arguments."""
-        fields = {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p,
-                  "min_p": self.min_p}
+        fields = {
+            "temperature": self.temperature,
+            "top_k": self.top_k,
+            "top_p": self.top_p,
+            "min_p": self.min_p,
+        }
         return {k: v for k, v in fields.items() if v is not None}

@@ -21,7 +21,9 @@ def demo_tokenizer_dir() -> Path:
     return Path(str(resources.files("metrale.demo") / "tokenizer"))
 
 
-def build_checkpoint(out: Path, arch: str, seed: int = 0, **overrides: object) -> Path:
+def build_checkpoint(
+    out: Path, arch: str, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: object
+) -> Path:
     """Save a randomly initialised Hugging Face model of `arch` with the demo tokenizer."""
     import transformers
     from tokenizers import Tokenizer
@@ -58,7 +60,7 @@ def build_checkpoint(out: Path, arch: str, seed: int = 0, **overrides: object) -
                 param.copy_(1.0 + 0.1 * torch.randn_like(param))
             else:
                 param.normal_(0.0, WEIGHT_SCALE)
-    model.save_pretrained(out, safe_serialization=True)
+    model.to(dtype).save_pretrained(out, safe_serialization=True)
     for name in TOKENIZER_FILES:
         shutil.copyfile(demo_tokenizer_dir() / name, out / name)
     return out

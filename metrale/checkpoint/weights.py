@@ -77,9 +77,7 @@ def read_headers(files: list[Path]) -> dict[str, TensorInfo]:
     return tensors
 
 
-def preflight(
-    model_dir: Path, expected: dict[str, tuple[int, ...]]
-) -> dict[str, TensorInfo]:
+def preflight(model_dir: Path, expected: dict[str, tuple[int, ...]]) -> dict[str, TensorInfo]:
     """Check the checkpoint holds every expected tensor, with the right shape and a float dtype."""
     found = read_headers(safetensors_files(model_dir))
     problems = []

@@ -90,12 +90,18 @@ def _write_checkpoint(out: Path) -> None:
     }
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out / "generation_config.json").write_text(
-        json.dumps({"eos_token_id": [eos_id], "temperature": 0.7, "top_p": 0.8, "top_k": 20},
-                   indent=2) + "\n"
+        json.dumps(
+            {"eos_token_id": [eos_id], "temperature": 0.7, "top_p": 0.8, "top_k": 20}, indent=2
+        )
+        + "\n"
     )
     model_config = ModelConfig.from_hf(config)
     shapes = model_class_for(model_config.architecture).checkpoint_shapes(model_config)
-    tensors = dict(iter_dummy_tensors(shapes, torch.device("cpu"), seed=_WEIGHT_SEED,
-                                      scale=_WEIGHT_SCALE))
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"),
-              metadata={"format": "pt", "metrale_demo": "random weights"})
+    tensors = dict(
+        iter_dummy_tensors(shapes, torch.device("cpu"), seed=_WEIGHT_SEED, scale=_WEIGHT_SCALE)
+    )
+    save_file(
+        {k: v.contiguous() for k, v in tensors.items()},
+        str(out / "model.safetensors"),
+        metadata={"format": "pt", "metrale_demo": "random weights"},
+    )

@@ -50,7 +50,9 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
-        self._free: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self._free: OrderedDict[int, KVCacheBlock] = OrderedDict(
+            (b.block_id, b) for b in self.blocks
+        )
         self.cached: dict[BlockHash, KVCacheBlock] = {}
 
     @property

@@ -50,14 +50,18 @@ class EngineCore:
             seed=config.seed,
             progress=progress,
         )
-        runner = ModelRunner(model, config.model, config.cache, config.scheduler, config.dtype,
-                             config.device)
+        runner = ModelRunner(
+            model, config.model, config.cache, config.scheduler, config.dtype, config.device
+        )
         pool = BlockPool(config.cache.num_blocks, config.cache.enable_prefix_caching)
         scheduler = Scheduler(config.scheduler, KVCacheManager(pool, config.cache.block_size))
         logger.info(
             "engine ready in %.2f s: %s on %s (%s), %d KV blocks of %d tokens",
-            time.perf_counter() - start, config.model.architecture, config.device,
-            str(config.dtype).removeprefix("torch."), config.cache.num_blocks,
+            time.perf_counter() - start,
+            config.model.architecture,
+            config.device,
+            str(config.dtype).removeprefix("torch."),
+            config.cache.num_blocks,
             config.cache.block_size,
         )
         return cls(config, runner, scheduler)
@@ -88,8 +92,9 @@ class EngineCore:
             )
         if not all(0 <= t < vocab_size for t in request.prompt_token_ids):
             bad = next(t for t in request.prompt_token_ids if not 0 <= t < vocab_size)
-            raise ValueError(f"prompt token id {bad} is out of range: ids must be in "
-                             f"[0, {vocab_size})")
+            raise ValueError(
+                f"prompt token id {bad} is out of range: ids must be in [0, {vocab_size})"
+            )
         if any(t >= vocab_size for t in request.sampling_params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be in [0, {vocab_size})")
         params = request.sampling_params

@@ -18,7 +18,6 @@ from metrale.engine.request import (
     FinishReason,
     Request,
     RequestStatus,
-    TokenLogprobs,
 )
 from metrale.engine.step import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 
@@ -47,7 +46,9 @@ class Scheduler:
         else:
             self.waiting.remove(request)
         self._finish(request, FinishReason.ABORT)
-        return EngineOutput(request_id, [], [], FinishReason.ABORT, request.num_cached_prompt_tokens)
+        return EngineOutput(
+            request_id, [], [], FinishReason.ABORT, request.num_cached_prompt_tokens
+        )
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -106,9 +107,7 @@ class Scheduler:
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(chunks, finished)
 
-    def update(
-        self, scheduled: SchedulerOutput, result: ModelRunnerOutput
-    ) -> list[EngineOutput]:
+    def update(self, scheduled: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineOutput]:
         """Advance every scheduled request by the step's result and report what changed."""
         outputs = []
         sampled = iter(zip(result.sampled_token_ids, result.logprobs, strict=True))

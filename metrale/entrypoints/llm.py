@@ -83,8 +83,9 @@ class LLM:
             text, engine_request = self._inputs.process(request_id, prompt, params)
             children = []
             for child_id, child_params in _fan_out(request_id, params):
-                child = dataclasses.replace(engine_request, request_id=child_id,
-                                            sampling_params=child_params)
+                child = dataclasses.replace(
+                    engine_request, request_id=child_id, sampling_params=child_params
+                )
                 self.engine.validate(child)
                 processed.append((text, child))
                 children.append(child_id)
@@ -92,11 +93,13 @@ class LLM:
 
         for text, request in processed:
             self.engine.add_request(request)
-            self._outputs.add_request(request.request_id, text, request.prompt_token_ids,
-                                      request.sampling_params)
+            self._outputs.add_request(
+                request.request_id, text, request.prompt_token_ids, request.sampling_params
+            )
         finished = self._run(len(processed), use_tqdm)
-        return [_merge(request_id, [finished[c] for c in children])
-                for request_id, children in groups]
+        return [
+            _merge(request_id, [finished[c] for c in children]) for request_id, children in groups
+        ]
 
     def _run(self, num_requests: int, use_tqdm: bool) -> dict[str, RequestOutput]:
         finished: dict[str, RequestOutput] = {}
@@ -110,13 +113,16 @@ class LLM:
                         bar.update()
         return finished
 
+
 def _fan_out(request_id: str, params: SamplingParams) -> list[tuple[str, SamplingParams]]:
     """One engine request per wanted completion (`n`), each with its own seed when seeded."""
     if params.n == 1:
         return [(request_id, params)]
     return [
-        (f"{request_id}-{i}", dataclasses.replace(
-            params, n=1, seed=None if params.seed is None else params.seed + i))
+        (
+            f"{request_id}-{i}",
+            dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i),
+        )
         for i in range(params.n)
     ]
 

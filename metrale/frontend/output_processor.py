@@ -24,11 +24,17 @@ class OutputProcessor:
         self._states: dict[str, _RequestState] = {}
 
     def add_request(
-        self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-        params: SamplingParams, index: int = 0,
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        index: int = 0,
     ) -> RequestOutput:
         completion = CompletionOutput(
-            index=index, text="", token_ids=[],
+            index=index,
+            text="",
+            token_ids=[],
             logprobs=[] if params.logprobs is not None else None,
         )
         output = RequestOutput(request_id, prompt, prompt_token_ids, [completion])

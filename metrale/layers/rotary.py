@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -51,13 +52,21 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_cache", emb.cos(), persistent=False)
         self.register_buffer("sin_cache", emb.sin(), persistent=False)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions: [num_tokens]; q: [num_tokens, num_heads, head_dim]; k: [.., num_kv_heads, ..]
-        cos = self.cos_cache[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin_cache[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> RotaryAngles:
+        """cos and sin at each position, looked up once per step and shared by every layer."""
+        cos = self.cos_cache[positions].unsqueeze(1).to(dtype)  # [num_tokens, 1, head_dim]
+        sin = self.sin_cache[positions].unsqueeze(1).to(dtype)
+        return RotaryAngles(cos, sin)
+
+
+@dataclass(frozen=True)
+class RotaryAngles:
+    cos: torch.Tensor  # [num_tokens, 1, head_dim]
+    sin: torch.Tensor
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [num_tokens, num_heads, head_dim]
+        return x * self.cos + _rotate_half(x) * self.sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

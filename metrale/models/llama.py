@@ -19,7 +19,7 @@ from metrale.config import ModelConfig
 from metrale.layers.activation import silu_and_mul
 from metrale.layers.attention import Attention, AttentionMetadata
 from metrale.layers.layernorm import RMSNorm
-from metrale.layers.rotary import RotaryEmbedding
+from metrale.layers.rotary import RotaryAngles, RotaryEmbedding
 from metrale.models.registry import register_model
 
 # Checkpoint projection -> (fused parameter, index of its shard in the fused matrix).
@@ -33,24 +33,20 @@ _FUSED_SHARDS = {
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, *, qkv_bias: bool,
-                 qk_norm: bool) -> None:
+    def __init__(self, config: ModelConfig, *, qkv_bias: bool, qk_norm: bool) -> None:
         super().__init__()
         self.q_size, self.kv_size = config.q_size, config.kv_size
         self.head_dim = config.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
-                                  bias=qkv_bias)
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if qk_norm else None
-        self.rotary = rotary
         self.attn = Attention(config.num_heads, config.num_kv_heads, config.head_dim)
 
     def shard_sizes(self, fused: str) -> list[int]:
         return [self.q_size, self.kv_size, self.kv_size]
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, rope: RotaryAngles, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, -1, self.head_dim)
@@ -58,7 +54,7 @@ class DecoderAttention(nn.Module):
         v = v.view(num_tokens, -1, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm.norm(q), self.k_norm.norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = rope.rotate(q), rope.rotate(k)
         out = self.attn(q, k, v, meta)  # [num_tokens, num_heads, head_dim]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
@@ -78,18 +74,22 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, *, qkv_bias: bool,
-                 qk_norm: bool) -> None:
+    def __init__(self, config: ModelConfig, *, qkv_bias: bool, qk_norm: bool) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = DecoderAttention(config, rotary, qkv_bias=qkv_bias, qk_norm=qk_norm)
+        self.self_attn = DecoderAttention(config, qkv_bias=qkv_bias, qk_norm=qk_norm)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = DecoderMLP(config)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
-                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        rope: RotaryAngles,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, meta)
+        x = self.self_attn(rope, x, meta)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -98,20 +98,21 @@ class DecoderModel(nn.Module):
     def __init__(self, config: ModelConfig, *, qkv_bias: bool, qk_norm: bool) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        # One rotary table shared by every layer (not a parameter: it is rebuilt, never loaded).
-        rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope)
+        self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, rotary, qkv_bias=qkv_bias, qk_norm=qk_norm)
+            DecoderLayer(config, qkv_bias=qkv_bias, qk_norm=qk_norm)
             for _ in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        rope = self.rotary(positions, x.dtype)
         residual = None
         for layer in self.layers:
-            x, residual = layer(positions, x, residual, meta)
+            x, residual = layer(rope, x, residual, meta)
         return self.norm(x, residual)[0]
 
 
@@ -125,8 +126,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config, qkv_bias=self.has_qkv_bias(config),
-                                  qk_norm=self.qk_norm)
+        self.model = DecoderModel(config, qkv_bias=self.has_qkv_bias(config), qk_norm=self.qk_norm)
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
@@ -136,8 +136,9 @@ class LlamaForCausalLM(nn.Module):
     def has_qkv_bias(cls, config: ModelConfig) -> bool:
         return cls.qkv_bias_always or config.attention_bias
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         """Hidden states [num_tokens, hidden_size] of the step's flat batch."""
         return self.model(input_ids, positions, meta)
 

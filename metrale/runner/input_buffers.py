@@ -29,7 +29,10 @@ class InputBuffer:
 
 class InputBuffers:
     def __init__(
-        self, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int,
+        self,
+        max_num_tokens: int,
+        max_num_seqs: int,
+        max_blocks_per_seq: int,
         device: torch.device,
     ) -> None:
         self.input_ids = InputBuffer((max_num_tokens,), torch.int64, device)

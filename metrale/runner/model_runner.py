@@ -46,7 +46,10 @@ class ModelRunner:
 
     @staticmethod
     def _allocate_kv_cache(
-        model: nn.Module, config: ModelConfig, cache: CacheConfig, dtype: torch.dtype,
+        model: nn.Module,
+        config: ModelConfig,
+        cache: CacheConfig,
+        dtype: torch.dtype,
         device: torch.device,
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         shape = (cache.num_blocks, cache.block_size, config.num_kv_heads, config.head_dim)
@@ -136,7 +139,9 @@ class ModelRunner:
             any_top_k_or_p=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
             any_min_p=any(p.min_p > 0 for p in params),
             generators=generators,
-            banned=[(row, c.banned_token_ids) for row, c in enumerate(chunks) if c.banned_token_ids],
+            banned=[
+                (row, c.banned_token_ids) for row, c in enumerate(chunks) if c.banned_token_ids
+            ],
             max_num_logprobs=max(logprobs) if logprobs else None,
         )
 

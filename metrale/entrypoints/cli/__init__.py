@@ -31,8 +31,12 @@ def build_parser() -> argparse.ArgumentParser:
         prog="met",
         description="Metrale: serve and run open-weight LLMs with Metrale's own engine.",
     )
-    parser.add_argument("--log-level", default="info",
-                        choices=["debug", "info", "warning", "error"], help="logging verbosity")
+    parser.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="logging verbosity",
+    )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for sub in _SUBCOMMANDS.values():
         sub_parser = subparsers.add_parser(sub.name, help=sub.help, description=sub.help)
