@@ -58,7 +58,7 @@ def resolve_model_dir(model: str | None, model_from_path: str | Path | None = No
 
 
 def _download(repo_id: str) -> Path:
-    offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
+    offline = os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
     where = hub_cache_dir()
     if offline:
         raise ModelNotFoundError(

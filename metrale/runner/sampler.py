@@ -81,9 +81,10 @@ def _apply_top_k_top_p(
     outside = ranks.unsqueeze(0) >= top_k.unsqueeze(1)
     sorted_probs = sorted_logits.masked_fill(outside, float("-inf")).softmax(dim=-1)
     # A token is outside the nucleus once the mass before it already reaches top_p; the first
-    # token is always kept.
+    # token is always kept. Rows with top_p = 1 are left whole: an fp32 cumulative sum reaches
+    # 1.0 before the end of a large vocabulary and would cut its tail.
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    outside |= mass_before >= top_p.unsqueeze(1)
+    outside |= (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
     outside[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(outside, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
