@@ -23,6 +23,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None = None
     logprobs: list[PositionLogprobs] | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
 
     @property
     def finished(self) -> bool:

@@ -16,7 +16,9 @@ class SamplingParams:
     """How to pick each next token and when to stop.
 
     `temperature == 0` means greedy. `top_k == 0` and `top_p == 1` and `min_p == 0` disable those
-    filters. `logprobs=N` returns the sampled token's log-probability plus the top N; the values
+    filters. Penalties follow OpenAI (presence, frequency: over the output so far) and
+    Hugging Face (repetition: over prompt and output). `stop` strings are matched on the text
+    by the frontend; the engine sees only token ids. `logprobs=N` returns the sampled token's log-probability plus the top N; the values
     are those of the model's raw distribution (before temperature and filters), as in vLLM.
     """
 
@@ -26,9 +28,15 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
     max_tokens: int | None = 16
     min_tokens: int = 0
+    stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
@@ -37,6 +45,8 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else
+                           tuple(self.stop))
         if self.n < 1:
             _fail("n", self.n, "must be >= 1")
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -47,6 +57,18 @@ class SamplingParams:
             _fail("top_p", self.top_p, "must be in (0, 1]")
         if not (0.0 <= self.min_p <= 1.0):
             _fail("min_p", self.min_p, "must be in [0, 1]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (-2.0 <= value <= 2.0):
+                _fail(name, value, "must be in [-2, 2]")
+        if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
+            _fail("repetition_penalty", self.repetition_penalty, "must be a finite number > 0")
+        for token_id, bias in (self.logit_bias or {}).items():
+            if token_id < 0 or not (-100.0 <= bias <= 100.0):
+                _fail("logit_bias", {token_id: bias},
+                      "keys must be token ids >= 0 and values in [-100, 100]")
+        if any(not s for s in self.stop):
+            _fail("stop", list(self.stop), "stop strings must be non-empty")
         if self.max_tokens is not None and self.max_tokens < 1:
             _fail("max_tokens", self.max_tokens, "must be >= 1")
         if self.min_tokens < 0:
@@ -61,6 +83,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
 
 
 def _fail(name: str, value: object, rule: str) -> None:

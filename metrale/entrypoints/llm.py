@@ -13,8 +13,8 @@ from metrale import demo
 from metrale.engine.core import EngineCore
 from metrale.engine_args import EngineArgs
 from metrale.frontend.input_processor import InputProcessor, Prompt
-from metrale.frontend.output_processor import OutputProcessor
-from metrale.outputs import RequestOutput
+from metrale.frontend.output_processor import OutputProcessor, fold
+from metrale.outputs import CompletionOutput, RequestOutput
 from metrale.sampling_params import SamplingParams
 from metrale.tokenizer import Tokenizer
 
@@ -91,27 +91,32 @@ class LLM:
                 children.append(child_id)
             groups.append((request_id, children))
 
+        results: dict[str, RequestOutput] = {}
         for text, request in processed:
             self.engine.add_request(request)
-            self._outputs.add_request(
-                request.request_id, text, request.prompt_token_ids, request.sampling_params
-            )
-        finished = self._run(len(processed), use_tqdm)
-        return [
-            _merge(request_id, [finished[c] for c in children]) for request_id, children in groups
-        ]
+            params = request.sampling_params
+            self._outputs.add_request(request.request_id, len(request.prompt_token_ids), params)
+            completion = CompletionOutput(0, "", [], logprobs=None if params.logprobs is None
+                                          else [])
+            results[request.request_id] = RequestOutput(
+                request.request_id, text, request.prompt_token_ids, [completion])
+        self._run(len(processed), results, use_tqdm)
+        return [_merge(request_id, [results[c] for c in children])
+                for request_id, children in groups]
 
-    def _run(self, num_requests: int, use_tqdm: bool) -> dict[str, RequestOutput]:
-        finished: dict[str, RequestOutput] = {}
+    def _run(self, num_requests: int, results: dict[str, RequestOutput], use_tqdm: bool) -> None:
         bar = tqdm(total=num_requests, desc="Generating", unit="req", disable=not use_tqdm)
         with bar:
             while self.engine.has_unfinished_requests():
                 for engine_output in self.engine.step():
-                    output = self._outputs.process(engine_output)
-                    if output is not None:
-                        finished[output.request_id] = output
+                    delta = self._outputs.process(engine_output)
+                    if delta is None:
+                        continue
+                    fold(results[delta.request_id], delta)
+                    if delta.abort_in_engine:
+                        self.engine.abort_request(delta.request_id)
+                    if delta.finished:
                         bar.update()
-        return finished
 
 
 def _fan_out(request_id: str, params: SamplingParams) -> list[tuple[str, SamplingParams]]:

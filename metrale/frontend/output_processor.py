@@ -1,21 +1,47 @@
-"""Fold the engine's per-step token outputs into `RequestOutput`s, detokenizing as they come."""
+"""Turn the engine's per-step token outputs into text deltas, one request at a time.
+
+For each request it keeps the incremental detokenizer and the stop-string matcher; each engine
+output becomes a `CompletionDelta` (new tokens, new text, new logprobs, and how it finished).
+The offline `LLM` folds deltas into a `RequestOutput`; the server streams them.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from metrale.engine.request import EngineOutput, TokenLogprobs
+from metrale.engine.request import EngineOutput, FinishReason, TokenLogprobs
+from metrale.frontend.stop_strings import StopStringMatcher
 from metrale.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from metrale.sampling_params import SamplingParams
 from metrale.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 @dataclass
+class CompletionDelta:
+    request_id: str
+    token_ids: list[int]
+    text: str
+    logprobs: list[PositionLogprobs] | None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token that ended it
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    # True when the frontend ended the request (a stop string): the engine must drop it too.
+    abort_in_engine: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
 class _RequestState:
-    output: RequestOutput
-    completion: CompletionOutput
-    detokenizer: IncrementalDetokenizer
     params: SamplingParams
+    num_prompt_tokens: int
+    detokenizer: IncrementalDetokenizer
+    stops: StopStringMatcher
+    num_output_tokens: int = 0
+    finished: bool = field(default=False)
 
 
 class OutputProcessor:
@@ -23,42 +49,49 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self._states: dict[str, _RequestState] = {}
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt: str | None,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        index: int = 0,
-    ) -> RequestOutput:
-        completion = CompletionOutput(
-            index=index,
-            text="",
-            token_ids=[],
-            logprobs=[] if params.logprobs is not None else None,
+    def add_request(self, request_id: str, num_prompt_tokens: int,
+                    params: SamplingParams) -> None:
+        self._states[request_id] = _RequestState(
+            params=params,
+            num_prompt_tokens=num_prompt_tokens,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
+            stops=StopStringMatcher(params.stop, params.include_stop_str_in_output),
         )
-        output = RequestOutput(request_id, prompt, prompt_token_ids, [completion])
-        detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
-        self._states[request_id] = _RequestState(output, completion, detokenizer, params)
-        return output
 
-    def process(self, engine_output: EngineOutput) -> RequestOutput | None:
-        """Apply one engine output; returns the request's output when it has finished."""
-        state = self._states.get(engine_output.request_id)
+    def remove_request(self, request_id: str) -> None:
+        self._states.pop(request_id, None)
+
+    def process(self, out: EngineOutput) -> CompletionDelta | None:
+        """The delta one engine output makes; None for a request no longer tracked."""
+        state = self._states.get(out.request_id)
         if state is None:
             return None
-        completion = state.completion
-        completion.token_ids.extend(engine_output.new_token_ids)
-        completion.text += state.detokenizer.push(engine_output.new_token_ids)
-        if completion.logprobs is not None:
-            completion.logprobs.extend(self._logprobs(lp) for lp in engine_output.new_logprobs)
-        state.output.num_cached_tokens = engine_output.num_cached_tokens
-        if engine_output.finish_reason is None:
-            return None
-        completion.text += state.detokenizer.finish()
-        completion.finish_reason = engine_output.finish_reason.value
-        del self._states[engine_output.request_id]
-        return state.output
+        engine_finished = out.finish_reason is not None
+        text = state.detokenizer.push(out.new_token_ids)
+        if engine_finished:
+            text += state.detokenizer.finish()
+        text, matched_stop = state.stops.feed(text, final=engine_finished)
+        state.num_output_tokens += len(out.new_token_ids)
+        delta = CompletionDelta(
+            request_id=out.request_id,
+            token_ids=out.new_token_ids,
+            text=text,
+            logprobs=None if state.params.logprobs is None
+            else [self._logprobs(lp) for lp in out.new_logprobs],
+            num_prompt_tokens=state.num_prompt_tokens,
+            num_cached_tokens=out.num_cached_tokens,
+        )
+        if matched_stop is not None:
+            delta.finish_reason, delta.stop_reason = FinishReason.STOP.value, matched_stop
+            delta.abort_in_engine = not engine_finished
+        elif engine_finished:
+            delta.finish_reason = out.finish_reason.value  # type: ignore[union-attr]
+            last = out.new_token_ids[-1] if out.new_token_ids else None
+            if last in state.params.stop_token_ids:
+                delta.stop_reason = last
+        if delta.finished:
+            del self._states[out.request_id]
+        return delta
 
     def _logprobs(self, lp: TokenLogprobs) -> PositionLogprobs:
         position = {lp.token_id: Logprob(lp.logprob, lp.rank, self._token_text(lp.token_id))}
@@ -68,3 +101,15 @@ class OutputProcessor:
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def fold(output: RequestOutput, delta: CompletionDelta) -> None:
+    """Add a delta to the single completion of a `RequestOutput` being assembled."""
+    completion: CompletionOutput = output.outputs[0]
+    completion.token_ids.extend(delta.token_ids)
+    completion.text += delta.text
+    if delta.logprobs is not None:
+        completion.logprobs = (completion.logprobs or []) + delta.logprobs
+    completion.finish_reason = delta.finish_reason
+    completion.stop_reason = delta.stop_reason
+    output.num_cached_tokens = delta.num_cached_tokens

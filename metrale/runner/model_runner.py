@@ -85,7 +85,6 @@ class ModelRunner:
         bs = self.block_size
         num_tokens = 0
         num_seqs = len(chunks)
-        max_query_len = 0
         max_blocks = 0
         num_samples = 0
         b.query_start_loc.np[0] = 0
@@ -98,27 +97,24 @@ class ModelRunner:
             b.positions.np[num_tokens:end] = pos
             b.slot_mapping.np[num_tokens:end] = block_ids[pos // bs] * bs + pos % bs
             b.block_tables.np[i, : len(block_ids)] = block_ids
-            b.query_lens.np[i] = n
+            b.start_positions.np[i] = chunk.start_pos
             b.query_start_loc.np[i + 1] = end
             if chunk.samples:
                 b.logits_indices.np[num_samples] = end - 1
                 num_samples += 1
             num_tokens = end
-            max_query_len = max(max_query_len, n)
-            max_blocks = max(max_blocks, -(-(chunk.start_pos + n) // bs))
+            max_blocks = max(max_blocks, len(block_ids))
 
-        positions = b.positions.copy_to_device(num_tokens)
         meta = AttentionMetadata.build(
-            positions=positions,
             slot_mapping=b.slot_mapping.copy_to_device(num_tokens),
             block_tables=b.block_tables.copy_to_device(num_seqs)[:, :max_blocks],
-            query_lens=b.query_lens.copy_to_device(num_seqs),
-            query_start_loc=b.query_start_loc.copy_to_device(num_seqs + 1),
-            max_query_len=max_query_len,
+            query_start_loc=b.query_start_loc.np[: num_seqs + 1],
+            start_positions=b.start_positions.np[:num_seqs],
             block_size=bs,
             sliding_window=self.model_config.sliding_window,
         )
         input_ids = b.input_ids.copy_to_device(num_tokens)
+        positions = b.positions.copy_to_device(num_tokens)
         return input_ids, positions, meta, b.logits_indices.copy_to_device(num_samples)
 
     def _sampling_metadata(self, chunks: list[ScheduledChunk]) -> SamplingMetadata:

@@ -1,0 +1,150 @@
+"""The API process's handle on the engine core: add, abort, and a stream of outputs.
+
+The core runs in a child process (the server) or, for tests, in a thread of this process; both
+speak the same ZMQ messages over IPC sockets, so nothing above this class can tell them apart.
+The client notices a dead engine within `LIVENESS_POLL_MS` (its process exited, or it said
+FAILED) and from then on raises `EngineDeadError` rather than waiting forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import zmq
+import zmq.asyncio
+
+from metrale.engine.core import EngineRequest
+from metrale.engine.core_loop import run_engine_core
+from metrale.engine.messages import (
+    Failed,
+    KVCacheStats,
+    MessageKind,
+    Outputs,
+    Ready,
+    decode,
+    encode,
+)
+from metrale.engine_args import EngineConfig
+
+LIVENESS_POLL_MS = 200
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class EngineClient:
+    def __init__(self, config: EngineConfig, worker: multiprocessing.process.BaseProcess |
+                 threading.Thread, context: zmq.asyncio.Context, to_engine: zmq.asyncio.Socket,
+                 from_engine: zmq.asyncio.Socket, socket_dir: Path) -> None:
+        self.config = config
+        self._worker = worker
+        self._context = context
+        self._to_engine = to_engine
+        self._from_engine = from_engine
+        self._socket_dir = socket_dir
+        self._dead_reason: str | None = None
+        self.kv_cache: KVCacheStats | None = None
+
+    @classmethod
+    async def start(cls, config: EngineConfig, *, in_process: bool = False,
+                    startup_timeout_s: float = 900.0) -> EngineClient:
+        """Launch the engine core and wait until it has loaded the model."""
+        socket_dir = Path(tempfile.mkdtemp(prefix="metrale-"))
+        input_addr = f"ipc://{socket_dir}/input"
+        output_addr = f"ipc://{socket_dir}/output"
+        context = zmq.asyncio.Context()
+        to_engine = context.socket(zmq.PUSH)
+        to_engine.bind(input_addr)
+        from_engine = context.socket(zmq.PULL)
+        from_engine.bind(output_addr)
+        worker: multiprocessing.process.BaseProcess | threading.Thread
+        if in_process:
+            worker = threading.Thread(target=run_engine_core, name="engine-core", daemon=True,
+                                      args=(config, input_addr, output_addr, None, True))
+        else:
+            worker = multiprocessing.get_context("spawn").Process(
+                target=run_engine_core, name="metrale-engine-core", daemon=True,
+                args=(config, input_addr, output_addr))
+        worker.start()
+        client = cls(config, worker, context, to_engine, from_engine, socket_dir)
+        try:
+            ready = await asyncio.wait_for(client._wait_ready(), startup_timeout_s)
+        except BaseException:
+            await client.shutdown()
+            raise
+        client.kv_cache = ready.kv_cache
+        return client
+
+    async def _wait_ready(self) -> Ready:
+        while True:
+            kind, payload = await self._receive()
+            if kind is MessageKind.READY:
+                assert isinstance(payload, Ready)
+                return payload
+
+    @property
+    def is_alive(self) -> bool:
+        if self._dead_reason is None and not self._worker.is_alive():
+            exitcode = getattr(self._worker, "exitcode", None)
+            self._dead_reason = f"the engine core exited (exit code {exitcode})"
+        return self._dead_reason is None
+
+    @property
+    def dead_reason(self) -> str | None:
+        return None if self.is_alive else self._dead_reason
+
+    def add_request(self, request: EngineRequest) -> None:
+        self._check_alive()
+        self._to_engine.send_multipart(encode(MessageKind.ADD, request), copy=False)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        if request_ids and self.is_alive:
+            self._to_engine.send_multipart(encode(MessageKind.ABORT, request_ids), copy=False)
+
+    async def get_outputs(self) -> Outputs:
+        """The next batch of outputs; raises EngineDeadError once the engine is gone."""
+        while True:
+            kind, payload = await self._receive()
+            if kind is MessageKind.OUTPUTS:
+                assert isinstance(payload, Outputs)
+                self.kv_cache = payload.kv_cache
+                return payload
+
+    async def _receive(self) -> tuple[MessageKind, object]:
+        while True:
+            self._check_alive()
+            if await self._from_engine.poll(LIVENESS_POLL_MS):
+                kind, payload = decode(await self._from_engine.recv_multipart())
+                if kind is MessageKind.FAILED:
+                    assert isinstance(payload, Failed)
+                    self._dead_reason = f"the engine core failed: {payload.message}"
+                    continue
+                return kind, payload
+
+    def _check_alive(self) -> None:
+        if not self.is_alive:
+            raise EngineDeadError(self._dead_reason)
+
+    async def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Ask the engine to stop, then make sure it has."""
+        if self._worker.is_alive():
+            self._to_engine.send_multipart(encode(MessageKind.SHUTDOWN, None))
+            deadline = time.monotonic() + timeout_s
+            while self._worker.is_alive() and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            if isinstance(self._worker, multiprocessing.process.BaseProcess):
+                if self._worker.is_alive():
+                    self._worker.terminate()
+                self._worker.join(1.0)
+        self._dead_reason = self._dead_reason or "the engine core was shut down"
+        self._to_engine.close(linger=0)
+        self._from_engine.close(linger=0)
+        self._context.term()
+        shutil.rmtree(self._socket_dir, ignore_errors=True)

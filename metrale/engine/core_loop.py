@@ -1,0 +1,121 @@
+"""The engine core's busy loop, as run in its own process (or thread) behind ZMQ sockets.
+
+Each turn drains every message waiting on the input socket (new requests, aborts), runs one
+engine step if any request is unfinished, and sends the outputs with the KV pool's state. When
+nothing is unfinished it blocks on the input socket instead of spinning. It never waits on the
+API process: outputs are pushed, not requested.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import traceback
+
+import zmq
+
+from metrale.engine.core import EngineCore, EngineRequest
+from metrale.engine.messages import (
+    Failed,
+    KVCacheStats,
+    MessageKind,
+    Outputs,
+    Ready,
+    decode,
+    encode,
+)
+from metrale.engine.request import EngineOutput
+from metrale.engine_args import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+IDLE_POLL_MS = 500  # how often an idle engine checks that its parent is still alive
+
+
+def kv_cache_stats(core: EngineCore) -> KVCacheStats:
+    scheduler = core.scheduler
+    pool = scheduler.kv_cache.pool
+    cache = core.config.cache
+    return KVCacheStats(
+        num_blocks=pool.num_blocks,
+        num_used_blocks=pool.num_used_blocks,
+        num_cached_blocks=pool.num_cached_blocks,
+        block_size=cache.block_size,
+        bytes_per_block=cache.bytes_per_block(core.config.model, cache.block_size,
+                                              core.config.dtype),
+        num_prefix_queried_tokens=scheduler.kv_cache.stats.num_queried_tokens,
+        num_prefix_hit_tokens=scheduler.kv_cache.stats.num_hit_tokens,
+        num_running=len(scheduler.running),
+        num_waiting=len(scheduler.waiting),
+        num_preemptions=scheduler.num_preemptions,
+    )
+
+
+def run_engine_core(
+    config: EngineConfig, input_addr: str, output_addr: str,
+    context: zmq.Context | None = None, in_process: bool = False,
+) -> None:
+    """Build the engine, report READY (or FAILED), then serve until SHUTDOWN."""
+    if not in_process:
+        # The API process owns Ctrl-C and SIGTERM and shuts the engine down by message.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    context = context or zmq.Context()
+    inputs = context.socket(zmq.PULL)
+    inputs.connect(input_addr)
+    outputs = context.socket(zmq.PUSH)
+    outputs.connect(output_addr)
+    try:
+        try:
+            core = EngineCore.from_config(config, progress=not in_process)
+        except Exception as e:
+            logger.exception("engine core failed to start")
+            outputs.send_multipart(encode(MessageKind.FAILED, Failed(f"{type(e).__name__}: {e}")))
+            return
+        outputs.send_multipart(encode(MessageKind.READY, Ready(kv_cache_stats(core))))
+        _serve(core, inputs, outputs, parent_pid=None if in_process else os.getppid())
+    except Exception:
+        message = traceback.format_exc()
+        logger.error("engine core died:\n%s", message)
+        outputs.send_multipart(encode(MessageKind.FAILED, Failed(message)))
+        raise
+    finally:
+        outputs.close(linger=1000)
+        inputs.close(linger=0)
+
+
+def _serve(core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket,
+           parent_pid: int | None) -> None:
+    while True:
+        step_outputs: list[EngineOutput] = []
+        rejected: list[tuple[str, str]] = []
+        changed = False
+        timeout_ms = 0 if core.has_unfinished_requests() else IDLE_POLL_MS
+        while inputs.poll(timeout_ms):
+            timeout_ms = 0
+            changed = True
+            kind, payload = decode(inputs.recv_multipart())
+            if kind is MessageKind.SHUTDOWN:
+                return
+            if kind is MessageKind.ADD:
+                assert isinstance(payload, EngineRequest)
+                try:
+                    core.add_request(payload)
+                except ValueError as e:
+                    rejected.append((payload.request_id, str(e)))
+            elif kind is MessageKind.ABORT:
+                assert isinstance(payload, list)
+                for request_id in payload:
+                    if (aborted := core.abort_request(request_id)) is not None:
+                        step_outputs.append(aborted)
+        if parent_pid is not None and os.getppid() != parent_pid:
+            logger.warning("the API process is gone; engine core exiting")
+            return
+        if core.has_unfinished_requests():
+            step_outputs.extend(core.step())
+            changed = True
+        if changed:
+            outputs.send_multipart(
+                encode(MessageKind.OUTPUTS, Outputs(step_outputs, kv_cache_stats(core), rejected))
+            )
