@@ -169,15 +169,23 @@ class EngineArgs:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in vars(ns).items() if k in names})
 
-    def create_config(self) -> EngineConfig:
+    @property
+    def is_demo(self) -> bool:
+        return self.model is None and self.model_from_path is None
+
+    def resolve_model_dir(self) -> Path:
+        """The checkpoint directory: the demo's (generated on first use), a path, or an id."""
         from metrale import demo
 
-        is_demo = self.model is None and self.model_from_path is None
-        model_dir = (
-            demo.ensure_checkpoint()
-            if is_demo
-            else resolve_model_dir(self.model, self.model_from_path)
-        )
+        if self.is_demo:
+            return demo.ensure_checkpoint()
+        return resolve_model_dir(self.model, self.model_from_path)
+
+    def create_config(self, model_dir: Path | None = None) -> EngineConfig:
+        from metrale import demo
+
+        is_demo = self.is_demo
+        model_dir = model_dir or self.resolve_model_dir()
         model_config = ModelConfig.from_dir(model_dir)
         dtype = model_config.dtype if self.dtype == "auto" else parse_dtype(self.dtype)
         device = _resolve_device(self.device)

@@ -18,8 +18,9 @@ class SamplingParams:
     `temperature == 0` means greedy. `top_k == 0` and `top_p == 1` and `min_p == 0` disable those
     filters. Penalties follow OpenAI (presence, frequency: over the output so far) and
     Hugging Face (repetition: over prompt and output). `stop` strings are matched on the text
-    by the frontend; the engine sees only token ids. `logprobs=N` returns the sampled token's log-probability plus the top N; the values
-    are those of the model's raw distribution (before temperature and filters), as in vLLM.
+    by the frontend; the engine sees only token ids. `logprobs=N` returns the sampled token's
+    log-probability plus the top N; the values are those of the model's raw distribution
+    (before temperature and filters), as in vLLM.
     """
 
     n: int = 1
@@ -45,8 +46,9 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else
-                           tuple(self.stop))
+        object.__setattr__(
+            self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        )
         if self.n < 1:
             _fail("n", self.n, "must be >= 1")
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -65,8 +67,11 @@ class SamplingParams:
             _fail("repetition_penalty", self.repetition_penalty, "must be a finite number > 0")
         for token_id, bias in (self.logit_bias or {}).items():
             if token_id < 0 or not (-100.0 <= bias <= 100.0):
-                _fail("logit_bias", {token_id: bias},
-                      "keys must be token ids >= 0 and values in [-100, 100]")
+                _fail(
+                    "logit_bias",
+                    {token_id: bias},
+                    "keys must be token ids >= 0 and values in [-100, 100]",
+                )
         if any(not s for s in self.stop):
             _fail("stop", list(self.stop), "stop strings must be non-empty")
         if self.max_tokens is not None and self.max_tokens < 1:
@@ -86,8 +91,11 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or self.repetition_penalty != 1.0)
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
 
 
 def _fail(name: str, value: object, rule: str) -> None:

@@ -40,9 +40,15 @@ class EngineDeadError(RuntimeError):
 
 
 class EngineClient:
-    def __init__(self, config: EngineConfig, worker: multiprocessing.process.BaseProcess |
-                 threading.Thread, context: zmq.asyncio.Context, to_engine: zmq.asyncio.Socket,
-                 from_engine: zmq.asyncio.Socket, socket_dir: Path) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        worker: multiprocessing.process.BaseProcess | threading.Thread,
+        context: zmq.asyncio.Context,
+        to_engine: zmq.asyncio.Socket,
+        from_engine: zmq.asyncio.Socket,
+        socket_dir: Path,
+    ) -> None:
         self.config = config
         self._worker = worker
         self._context = context
@@ -53,8 +59,9 @@ class EngineClient:
         self.kv_cache: KVCacheStats | None = None
 
     @classmethod
-    async def start(cls, config: EngineConfig, *, in_process: bool = False,
-                    startup_timeout_s: float = 900.0) -> EngineClient:
+    async def start(
+        cls, config: EngineConfig, *, in_process: bool = False, startup_timeout_s: float = 900.0
+    ) -> EngineClient:
         """Launch the engine core and wait until it has loaded the model."""
         socket_dir = Path(tempfile.mkdtemp(prefix="metrale-"))
         input_addr = f"ipc://{socket_dir}/input"
@@ -66,12 +73,19 @@ class EngineClient:
         from_engine.bind(output_addr)
         worker: multiprocessing.process.BaseProcess | threading.Thread
         if in_process:
-            worker = threading.Thread(target=run_engine_core, name="engine-core", daemon=True,
-                                      args=(config, input_addr, output_addr, None, True))
+            worker = threading.Thread(
+                target=run_engine_core,
+                name="engine-core",
+                daemon=True,
+                args=(config, input_addr, output_addr, None, True),
+            )
         else:
             worker = multiprocessing.get_context("spawn").Process(
-                target=run_engine_core, name="metrale-engine-core", daemon=True,
-                args=(config, input_addr, output_addr))
+                target=run_engine_core,
+                name="metrale-engine-core",
+                daemon=True,
+                args=(config, input_addr, output_addr),
+            )
         worker.start()
         client = cls(config, worker, context, to_engine, from_engine, socket_dir)
         try:

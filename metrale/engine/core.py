@@ -80,32 +80,7 @@ class EngineCore:
 
     def validate(self, request: EngineRequest) -> None:
         """Refuse what the engine cannot run, before it touches any engine state."""
-        num_tokens = len(request.prompt_token_ids)
-        max_seq_len = self.config.scheduler.max_seq_len
-        vocab_size = self.config.model.vocab_size
-        if num_tokens == 0:
-            raise ValueError("prompt is empty: give at least one token")
-        if num_tokens > max_seq_len:
-            raise ValueError(
-                f"prompt has {num_tokens} tokens; max_seq_len is {max_seq_len}: shorten the "
-                f"prompt or raise --max-seq-len"
-            )
-        if not all(0 <= t < vocab_size for t in request.prompt_token_ids):
-            bad = next(t for t in request.prompt_token_ids if not 0 <= t < vocab_size)
-            raise ValueError(
-                f"prompt token id {bad} is out of range: ids must be in [0, {vocab_size})"
-            )
-        if any(t >= vocab_size for t in request.sampling_params.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be in [0, {vocab_size})")
-        params = request.sampling_params
-        max_len = min(num_tokens + (params.max_tokens or max_seq_len), max_seq_len)
-        block_size = self.config.cache.block_size
-        if -(-max_len // block_size) > self.config.cache.num_blocks:
-            raise ValueError(
-                f"a request of up to {max_len} tokens needs {-(-max_len // block_size)} KV "
-                f"blocks but the pool has {self.config.cache.num_blocks}: lower max_tokens or "
-                f"raise --kv-cache-memory"
-            )
+        validate_request(self.config, request)
         if request.request_id in self.scheduler.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in the engine")
 
@@ -119,3 +94,35 @@ class EngineCore:
         scheduled = self.scheduler.schedule()
         result = self.runner.execute(scheduled)
         return self.scheduler.update(scheduled, result)
+
+
+def validate_request(config: EngineConfig, request: EngineRequest) -> None:
+    """The checks any process holding the config can make (the API server makes them first)."""
+    num_tokens = len(request.prompt_token_ids)
+    max_seq_len = config.scheduler.max_seq_len
+    vocab_size = config.model.vocab_size
+    if num_tokens == 0:
+        raise ValueError("prompt is empty: give at least one token")
+    if num_tokens > max_seq_len:
+        raise ValueError(
+            f"prompt has {num_tokens} tokens; max_seq_len is {max_seq_len}: shorten the "
+            f"prompt or raise --max-seq-len"
+        )
+    if not all(0 <= t < vocab_size for t in request.prompt_token_ids):
+        bad = next(t for t in request.prompt_token_ids if not 0 <= t < vocab_size)
+        raise ValueError(f"prompt token id {bad} is out of range: ids must be in [0, {vocab_size})")
+    params = request.sampling_params
+    for name, token_ids in (
+        ("stop_token_ids", params.stop_token_ids),
+        ("logit_bias", list(params.logit_bias or ())),
+    ):
+        if any(t >= vocab_size for t in token_ids):
+            raise ValueError(f"{name} token ids must be in [0, {vocab_size})")
+    max_len = min(num_tokens + (params.max_tokens or max_seq_len), max_seq_len)
+    block_size = config.cache.block_size
+    if -(-max_len // block_size) > config.cache.num_blocks:
+        raise ValueError(
+            f"a request of up to {max_len} tokens needs {-(-max_len // block_size)} KV "
+            f"blocks but the pool has {config.cache.num_blocks}: lower max_tokens or "
+            f"raise --kv-cache-memory"
+        )

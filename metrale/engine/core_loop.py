@@ -42,8 +42,9 @@ def kv_cache_stats(core: EngineCore) -> KVCacheStats:
         num_used_blocks=pool.num_used_blocks,
         num_cached_blocks=pool.num_cached_blocks,
         block_size=cache.block_size,
-        bytes_per_block=cache.bytes_per_block(core.config.model, cache.block_size,
-                                              core.config.dtype),
+        bytes_per_block=cache.bytes_per_block(
+            core.config.model, cache.block_size, core.config.dtype
+        ),
         num_prefix_queried_tokens=scheduler.kv_cache.stats.num_queried_tokens,
         num_prefix_hit_tokens=scheduler.kv_cache.stats.num_hit_tokens,
         num_running=len(scheduler.running),
@@ -53,8 +54,11 @@ def kv_cache_stats(core: EngineCore) -> KVCacheStats:
 
 
 def run_engine_core(
-    config: EngineConfig, input_addr: str, output_addr: str,
-    context: zmq.Context | None = None, in_process: bool = False,
+    config: EngineConfig,
+    input_addr: str,
+    output_addr: str,
+    context: zmq.Context | None = None,
+    in_process: bool = False,
 ) -> None:
     """Build the engine, report READY (or FAILED), then serve until SHUTDOWN."""
     if not in_process:
@@ -85,8 +89,9 @@ def run_engine_core(
         inputs.close(linger=0)
 
 
-def _serve(core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket,
-           parent_pid: int | None) -> None:
+def _serve(
+    core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket, parent_pid: int | None
+) -> None:
     while True:
         step_outputs: list[EngineOutput] = []
         rejected: list[tuple[str, str]] = []

@@ -96,13 +96,16 @@ class LLM:
             self.engine.add_request(request)
             params = request.sampling_params
             self._outputs.add_request(request.request_id, len(request.prompt_token_ids), params)
-            completion = CompletionOutput(0, "", [], logprobs=None if params.logprobs is None
-                                          else [])
+            completion = CompletionOutput(
+                0, "", [], logprobs=None if params.logprobs is None else []
+            )
             results[request.request_id] = RequestOutput(
-                request.request_id, text, request.prompt_token_ids, [completion])
+                request.request_id, text, request.prompt_token_ids, [completion]
+            )
         self._run(len(processed), results, use_tqdm)
-        return [_merge(request_id, [results[c] for c in children])
-                for request_id, children in groups]
+        return [
+            _merge(request_id, [results[c] for c in children]) for request_id, children in groups
+        ]
 
     def _run(self, num_requests: int, results: dict[str, RequestOutput], use_tqdm: bool) -> None:
         bar = tqdm(total=num_requests, desc="Generating", unit="req", disable=not use_tqdm)

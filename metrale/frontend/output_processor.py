@@ -49,8 +49,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self._states: dict[str, _RequestState] = {}
 
-    def add_request(self, request_id: str, num_prompt_tokens: int,
-                    params: SamplingParams) -> None:
+    def add_request(self, request_id: str, num_prompt_tokens: int, params: SamplingParams) -> None:
         self._states[request_id] = _RequestState(
             params=params,
             num_prompt_tokens=num_prompt_tokens,
@@ -76,7 +75,8 @@ class OutputProcessor:
             request_id=out.request_id,
             token_ids=out.new_token_ids,
             text=text,
-            logprobs=None if state.params.logprobs is None
+            logprobs=None
+            if state.params.logprobs is None
             else [self._logprobs(lp) for lp in out.new_logprobs],
             num_prompt_tokens=state.num_prompt_tokens,
             num_cached_tokens=out.num_cached_tokens,

@@ -93,15 +93,20 @@ class AttentionMetadata:
                 queries = torch.arange(start_pos, seq_len, device=device)
                 keys = torch.arange(num_blocks * block_size, device=device)
                 mask = _visible(keys[None, :], queries[:, None], sliding_window)[None, None]
-            prefills.append(PrefillChunk(
-                int(query_start_loc[seq]), int(query_start_loc[seq + 1]),
-                block_tables[seq, :num_blocks], mask,
-            ))
+            prefills.append(
+                PrefillChunk(
+                    int(query_start_loc[seq]),
+                    int(query_start_loc[seq + 1]),
+                    block_tables[seq, :num_blocks],
+                    mask,
+                )
+            )
         return cls(slot_mapping, decode, prefills)
 
 
-def _visible(key_pos: torch.Tensor, query_pos: torch.Tensor,
-             sliding_window: int | None) -> torch.Tensor:
+def _visible(
+    key_pos: torch.Tensor, query_pos: torch.Tensor, sliding_window: int | None
+) -> torch.Tensor:
     """Causal (and sliding-window) visibility of keys to queries, by absolute position."""
     mask = key_pos <= query_pos
     if sliding_window is not None:
@@ -134,15 +139,22 @@ class Attention(nn.Module):
         self.v_cache.view(slots).index_copy_(0, meta.slot_mapping, v)
         out = torch.empty_like(q)
         if (d := meta.decode) is not None:
-            out[d.token_idx] = self._attend(q[d.token_idx].unsqueeze(1), d.block_ids, d.num_seqs,
-                                            d.mask).squeeze(1)
+            out[d.token_idx] = self._attend(
+                q[d.token_idx].unsqueeze(1), d.block_ids, d.num_seqs, d.mask
+            ).squeeze(1)
         for p in meta.prefills:
-            out[p.start : p.end] = self._attend(q[p.start : p.end].unsqueeze(0), p.block_ids, 1,
-                                                p.mask).squeeze(0)
+            out[p.start : p.end] = self._attend(
+                q[p.start : p.end].unsqueeze(0), p.block_ids, 1, p.mask
+            ).squeeze(0)
         return out
 
-    def _attend(self, queries: torch.Tensor, block_ids: torch.Tensor, num_seqs: int,
-                mask: torch.Tensor | None) -> torch.Tensor:
+    def _attend(
+        self,
+        queries: torch.Tensor,
+        block_ids: torch.Tensor,
+        num_seqs: int,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
         # queries: [num_seqs, num_queries, num_heads, head_dim] -> the same shape
         # index_select over the flat block list: several times faster than advanced indexing.
         context = (num_seqs, -1, self.num_kv_heads, self.head_dim)

@@ -10,13 +10,26 @@ from metrale.entrypoints.cli import build_parser, main
 
 
 def test_generate_prints_the_greedy_text(qwen3_dir, capsys):
-    code = main(["generate", "Hello there", "--model-from-path", str(qwen3_dir),
-                 "--max-tokens", "6", "--dtype", "float32"])
+    code = main(
+        [
+            "generate",
+            "Hello there",
+            "--model-from-path",
+            str(qwen3_dir),
+            "--max-tokens",
+            "6",
+            "--dtype",
+            "float32",
+        ]
+    )
     assert code == 0
     printed = capsys.readouterr().out
-    expected = LLM(model_from_path=str(qwen3_dir)).generate(
-        "Hello there", SamplingParams(temperature=0, max_tokens=6), use_tqdm=False
-    )[0].outputs[0].text
+    expected = (
+        LLM(model_from_path=str(qwen3_dir))
+        .generate("Hello there", SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)[0]
+        .outputs[0]
+        .text
+    )
     assert printed == expected + "\n"
 
 
@@ -32,6 +45,7 @@ def test_help_explains_every_flag():
     for action in sub._actions:
         if action.option_strings and action.dest != "help":
             assert action.help, f"{action.option_strings} has no help text"
-    result = subprocess.run([sys.executable, "-m", "metrale", "--help"],
-                            capture_output=True, text=True, check=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "metrale", "--help"], capture_output=True, text=True, check=True
+    )
     assert "generate" in result.stdout

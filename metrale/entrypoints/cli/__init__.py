@@ -25,7 +25,7 @@ def register(subcommand: Subcommand) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from metrale.entrypoints.cli import generate  # noqa: F401  (registers itself)
+    from metrale.entrypoints.cli import generate, serve  # noqa: F401  (they register)
 
     parser = argparse.ArgumentParser(
         prog="met",
@@ -53,5 +53,3 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"met {args.command}: error: {e}", file=sys.stderr)
         return 2
-
-

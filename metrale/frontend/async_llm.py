@@ -1,0 +1,105 @@
+"""`AsyncLLM`: the API process's engine, streaming completion deltas to many callers at once.
+
+Each `generate()` call gets a queue; one output task reads the engine client's output batches
+and routes every delta to its request's queue. A caller that stops iterating (the HTTP client
+went away) aborts its request, so its KV blocks are freed at the engine's next step. If the
+engine dies, every open stream ends with `EngineDeadError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+from metrale.engine.client import EngineClient, EngineDeadError
+from metrale.engine.core import EngineRequest
+from metrale.frontend.output_processor import CompletionDelta, OutputProcessor
+from metrale.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class RequestRejectedError(ValueError):
+    """The engine refused a request (it never ran); the message says why."""
+
+
+class AsyncLLM:
+    def __init__(self, client: EngineClient, tokenizer: Tokenizer) -> None:
+        self.client = client
+        self.config = client.config
+        self.tokenizer = tokenizer
+        self._processor = OutputProcessor(tokenizer)
+        self._queues: dict[str, asyncio.Queue[CompletionDelta | Exception]] = {}
+        self._output_task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._output_task = asyncio.create_task(self._route_outputs(), name="route-outputs")
+
+    @property
+    def is_alive(self) -> bool:
+        return self.client.is_alive
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[CompletionDelta]:
+        """Stream the request's deltas until it finishes; abort it if the caller leaves early."""
+        request_id = request.request_id
+        if request_id in self._queues:
+            raise ValueError(f"request id {request_id!r} is already running")
+        queue: asyncio.Queue[CompletionDelta | Exception] = asyncio.Queue()
+        self._queues[request_id] = queue
+        self._processor.add_request(
+            request_id, len(request.prompt_token_ids), request.sampling_params
+        )
+        finished = False
+        try:
+            self.client.add_request(request)
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, Exception):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._queues.pop(request_id, None)
+            self._processor.remove_request(request_id)
+            if not finished:
+                self.client.abort_requests([request_id])
+
+    async def _route_outputs(self) -> None:
+        try:
+            while True:
+                batch = await self.client.get_outputs()
+                for request_id, message in batch.rejected:
+                    self._deliver(request_id, RequestRejectedError(message))
+                for output in batch.outputs:
+                    delta = self._processor.process(output)
+                    if delta is None:
+                        continue
+                    if delta.abort_in_engine:
+                        self.client.abort_requests([delta.request_id])
+                    self._deliver(delta.request_id, delta)
+        except EngineDeadError as e:
+            logger.error("%s; failing %d open requests", e, len(self._queues))
+            for request_id in list(self._queues):
+                self._deliver(request_id, e)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # a bug here must not leave every caller waiting forever
+            logger.exception("output routing failed")
+            for request_id in list(self._queues):
+                self._deliver(request_id, EngineDeadError("the output router failed"))
+            raise
+
+    def _deliver(self, request_id: str, item: CompletionDelta | Exception) -> None:
+        queue = self._queues.get(request_id)
+        if queue is not None:
+            queue.put_nowait(item)
+
+    async def shutdown(self) -> None:
+        if self._output_task is not None:
+            self._output_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, EngineDeadError):
+                await self._output_task
+        await self.client.shutdown()

@@ -1,0 +1,148 @@
+"""Errors in the OpenAI shape, and a body parser that never lets a framework answer for us.
+
+Every failure a client can cause — bytes that are not UTF-8, text that is not JSON, nesting too
+deep to parse, fields of the wrong type or out of range — becomes a 4xx whose body is
+`{"error": {"message", "type", "param", "code"}}`, the shape the OpenAI SDKs read.
+"""
+
+from __future__ import annotations
+
+import json
+from http import HTTPStatus
+from typing import Any, TypeVar
+
+import pydantic
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+ModelT = TypeVar("ModelT", bound=pydantic.BaseModel)
+
+MAX_BODY_BYTES = 32 * 2**20
+MAX_JSON_DEPTH = 64
+
+
+class APIError(Exception):
+    """An error answered to the client; `status` 4xx for its mistakes, 5xx for ours."""
+
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        error_type: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+        self.code = code
+        self.error_type = error_type or _default_type(status)
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.error_type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def _default_type(status: int) -> str:
+    if status == 404:
+        return "not_found_error"
+    if status == 408:
+        return "timeout_error"
+    if status == 501:
+        return "not_implemented_error"
+    if status == 503:
+        return "service_unavailable_error"
+    if status >= 500:
+        return "server_error"
+    return "invalid_request_error"
+
+
+def model_not_found(name: str) -> APIError:
+    return APIError(
+        f"The model `{name}` does not exist.",
+        404,
+        param="model",
+        code="model_not_found",
+        error_type="invalid_request_error",
+    )
+
+
+async def parse_body(request: Request, model: type[ModelT]) -> ModelT:
+    raw = await request.body()
+    if len(raw) > MAX_BODY_BYTES:
+        raise APIError(f"request body is {len(raw)} bytes; the limit is {MAX_BODY_BYTES}", 413)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise APIError(f"request body is not valid UTF-8 (byte {e.start})") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise APIError(
+            f"request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}"
+        ) from None
+    except RecursionError:
+        raise APIError("request body is nested too deeply") from None
+    if _depth(data) > MAX_JSON_DEPTH:
+        raise APIError(f"request body is nested deeper than {MAX_JSON_DEPTH} levels")
+    if not isinstance(data, dict):
+        raise APIError(f"request body must be a JSON object, not {type(data).__name__}")
+    try:
+        return model.model_validate(data)
+    except pydantic.ValidationError as e:
+        raise validation_error(e) from None
+    except ValueError as e:  # a model validator's own check
+        raise APIError(str(e)) from None
+
+
+def validation_error(e: pydantic.ValidationError) -> APIError:
+    errors = e.errors(include_url=False)
+    # For a value that fits no member of a union, the member that got furthest into the value
+    # has the most useful complaint ("messages.0.content.0.type: Field required" beats
+    # "messages.0.content: Input should be a valid string").
+    first = max(errors, key=lambda err: len(err["loc"]))
+    param = ".".join(str(part) for part in first["loc"] if not _is_union_tag(part)) or None
+    message = first["msg"].removeprefix("Value error, ")
+    if param:
+        message = f"{param}: {message}"
+    return APIError(message, 400, param=param)
+
+
+def _is_union_tag(part: object) -> bool:
+    """pydantic names the union member it tried in `loc` (`str`, `list[ContentPart]`, ...)."""
+    return isinstance(part, str) and (
+        "[" in part
+        or part in {"str", "int", "float", "bool", "dict", "list", "none"}
+        or part.startswith(("constrained-", "function-"))
+    )
+
+
+def _depth(value: object) -> int:
+    # Iterative, so a hostile body cannot exhaust the stack here either.
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        deepest = max(deepest, depth)
+        if depth > MAX_JSON_DEPTH:
+            break
+        if isinstance(item, dict):
+            stack.extend((v, depth + 1) for v in item.values())
+        elif isinstance(item, list):
+            stack.extend((v, depth + 1) for v in item)
+    return deepest
+
+
+def http_status_error(status: int, detail: str | None = None) -> APIError:
+    phrase = HTTPStatus(status).phrase
+    return APIError(detail or phrase, status)

@@ -1,0 +1,184 @@
+"""Running one API request through the engine: fan-out for `n`, timeouts, disconnects.
+
+Shared by every route that generates. A request becomes `n` engine requests (seeds offset per
+choice, so `n` seeded choices differ); their delta streams are merged, each delta tagged with
+its choice index. Leaving the merged stream early — a client disconnect, a timeout, an error —
+closes every child stream, which aborts the engine requests and frees their KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from fastapi import Request
+
+from metrale.engine.client import EngineDeadError
+from metrale.engine.core import EngineRequest, validate_request
+from metrale.frontend.async_llm import RequestRejectedError
+from metrale.frontend.output_processor import CompletionDelta
+from metrale.outputs import PositionLogprobs
+from metrale.sampling_params import SamplingParams
+from metrale.server.errors import APIError
+from metrale.server.state import ServerState
+
+T = TypeVar("T")
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+@dataclass
+class Choice:
+    """One choice, accumulated from its deltas."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[PositionLogprobs] | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+    def add(self, delta: CompletionDelta) -> None:
+        self.text += delta.text
+        self.token_ids.extend(delta.token_ids)
+        if delta.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + delta.logprobs
+        self.finish_reason = delta.finish_reason
+        self.stop_reason = delta.stop_reason
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    def body(self) -> dict[str, object]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+
+@dataclass(frozen=True)
+class PreparedPrompt:
+    """A validated prompt and the engine requests of its choices."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    children: list[EngineRequest]
+
+
+def prepare(
+    state: ServerState, request_id: str, prompt_token_ids: list[int], params: SamplingParams, n: int
+) -> PreparedPrompt:
+    """Validate before anything is queued or streamed; failures are 400s."""
+    max_seq_len = state.config.scheduler.max_seq_len
+    num_prompt = len(prompt_token_ids)
+    if params.max_tokens is not None and num_prompt + params.max_tokens > max_seq_len:
+        raise APIError(
+            f"this model's maximum context length is {max_seq_len} tokens; the request asks "
+            f"for {num_prompt + params.max_tokens} ({num_prompt} in the prompt, "
+            f"{params.max_tokens} for the completion): shorten the prompt or lower max_tokens",
+            param="max_tokens",
+        )
+    now = time.monotonic()
+    children = []
+    for i in range(n):
+        child_params = params
+        if n > 1 and params.seed is not None:
+            child_params = dataclasses.replace(params, seed=params.seed + i)
+        child = EngineRequest(f"{request_id}-{i}", prompt_token_ids, child_params, now)
+        try:
+            validate_request(state.config, child)
+        except ValueError as e:
+            raise APIError(str(e), param="messages" if "prompt" in str(e) else None) from None
+        children.append(child)
+    return PreparedPrompt(request_id, prompt_token_ids, children)
+
+
+def default_max_tokens(state: ServerState, num_prompt_tokens: int) -> int:
+    return max(state.config.scheduler.max_seq_len - num_prompt_tokens, 1)
+
+
+async def stream_deltas(
+    state: ServerState,
+    prompts: list[PreparedPrompt],
+) -> AsyncIterator[tuple[int, CompletionDelta]]:
+    """Deltas of every choice of every prompt, as (choice index, delta), interleaved."""
+    streams = [state.llm.generate(child) for prompt in prompts for child in prompt.children]
+    try:
+        if len(streams) == 1:
+            async for delta in streams[0]:
+                yield 0, delta
+            return
+        queue: asyncio.Queue[tuple[int, CompletionDelta] | BaseException | None] = asyncio.Queue()
+
+        async def pump(index: int, stream: AsyncIterator[CompletionDelta]) -> None:
+            try:
+                async for delta in stream:
+                    queue.put_nowait((index, delta))
+                queue.put_nowait(None)
+            except Exception as e:
+                queue.put_nowait(e)
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+    finally:
+        for stream in streams:
+            with contextlib.suppress(Exception):
+                await stream.aclose()  # type: ignore[attr-defined]
+
+
+def engine_error(e: Exception) -> APIError:
+    """Errors raised while generating, in the API's terms."""
+    if isinstance(e, EngineDeadError):
+        return APIError(f"the engine is not running ({e}); restart the server", 503)
+    if isinstance(e, RequestRejectedError):
+        return APIError(str(e), 400)
+    if isinstance(e, TimeoutError):
+        return APIError("the request timed out (--request-timeout)", 408)
+    return APIError(f"internal error: {type(e).__name__}: {e}", 500)
+
+
+async def until_disconnected(request: Request, work: Awaitable[T], timeout_s: float | None) -> T:
+    """Await `work`, cancelling it if the client disconnects or the timeout passes."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                task.cancel()
+                return
+
+    watcher = asyncio.create_task(watch())
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await task
+    finally:
+        watcher.cancel()
+        task.cancel()

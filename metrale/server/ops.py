@@ -1,0 +1,116 @@
+"""Operational routes: health, the effective configuration, the hardware, the KV pool."""
+
+from __future__ import annotations
+
+import os
+import platform
+from typing import Any
+
+import torch
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from metrale.server.state import ServerState
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(request: Request) -> JSONResponse:
+    """Ready: the engine core is alive and serving."""
+    state: ServerState = request.app.state.server
+    if not state.llm.is_alive:
+        return JSONResponse(
+            {"status": "unavailable", "reason": state.llm.client.dead_reason}, status_code=503
+        )
+    return JSONResponse({"status": "ok"})
+
+
+@router.get("/health/live")
+async def live() -> dict[str, str]:
+    """Live: the API process answers (says nothing of the engine)."""
+    return {"status": "ok"}
+
+
+@router.get("/serve-config")
+async def serve_config(request: Request) -> dict[str, Any]:
+    state: ServerState = request.app.state.server
+    return state.serve_config
+
+
+@router.get("/memory")
+async def memory(request: Request) -> dict[str, Any]:
+    state: ServerState = request.app.state.server
+    kv = state.llm.client.kv_cache
+    if kv is None:
+        return {"kv_cache": None}
+    return {
+        "kv_cache": {
+            "block_size": kv.block_size,
+            "blocks_total": kv.num_blocks,
+            "blocks_used": kv.num_used_blocks,
+            "blocks_cached": kv.num_cached_blocks,
+            "bytes_per_block": kv.bytes_per_block,
+            "bytes_total": kv.num_blocks * kv.bytes_per_block,
+            "bytes_used": kv.num_used_blocks * kv.bytes_per_block,
+            "usage": kv.usage,
+        },
+        "requests": {
+            "running": kv.num_running,
+            "waiting": kv.num_waiting,
+            "preemptions": kv.num_preemptions,
+        },
+        "prefix_cache": {
+            "queried_tokens": kv.num_prefix_queried_tokens,
+            "hit_tokens": kv.num_prefix_hit_tokens,
+        },
+    }
+
+
+@router.get("/hardware")
+async def hardware() -> dict[str, Any]:
+    devices = []
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            props = torch.cuda.get_device_properties(i)
+            free, total = torch.cuda.mem_get_info(i)
+            devices.append(
+                {
+                    "index": i,
+                    "name": props.name,
+                    "memory_total_bytes": total,
+                    "memory_free_bytes": free,
+                    "capability": f"{props.major}.{props.minor}",
+                }
+            )
+    try:
+        page_size, num_pages = os.sysconf("SC_PAGE_SIZE"), os.sysconf("SC_PHYS_PAGES")
+        memory_bytes = page_size * num_pages
+    except (ValueError, OSError, AttributeError):
+        memory_bytes = None
+    return {
+        "cpu": {
+            "model": _cpu_model(),
+            "cores": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+        },
+        "memory_total_bytes": memory_bytes,
+        "gpus": devices,
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "platform": platform.platform(),
+        },
+    }
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

@@ -1,0 +1,216 @@
+"""The OpenAI request bodies we accept, validated at the HTTP edge and nowhere else.
+
+Strict types (a string is not a number here), ranges checked with messages that name the field,
+and unknown fields ignored, as vLLM does, so newer SDKs keep working. Routes turn these into
+native objects (`SamplingParams`, chat messages) at once.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from metrale.sampling_params import SamplingParams
+
+TokenIds = list[Annotated[int, Field(ge=0)]]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class SamplingFields(_Body):
+    """Sampling knobs shared by chat and completions (OpenAI's, plus vLLM's extras)."""
+
+    model: str | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    n: Annotated[int, Field(ge=1, le=128)] = 1
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: TokenIds | None = None
+    include_stop_str_in_output: bool = False
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0, le=10)] = 1.0
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    ignore_eos: bool = False
+    min_tokens: Annotated[int, Field(ge=0)] = 0
+    skip_special_tokens: bool = True
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, value: str | list[str] | None) -> str | list[str] | None:
+        stops = [value] if isinstance(value, str) else value or []
+        if len(stops) > 16:
+            raise ValueError("at most 16 stop sequences are allowed")
+        if any(not s for s in stops):
+            raise ValueError("stop sequences must be non-empty strings")
+        return value
+
+    def sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, defaults: dict[str, Any]
+    ) -> SamplingParams:
+        """The engine's parameters; the checkpoint's defaults fill what the request left out."""
+        stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        logit_bias = None
+        if self.logit_bias:
+            try:
+                logit_bias = {int(k): v for k, v in self.logit_bias.items()}
+            except ValueError:
+                message = "logit_bias keys must be token ids (integers written as strings)"
+                raise ValueError(message) from None
+        chosen = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "min_p": self.min_p,
+            "top_k": None if self.top_k is None else max(self.top_k, 0),
+        }
+        return SamplingParams(
+            **{**defaults, **{k: v for k, v in chosen.items() if v is not None}},
+            n=1,
+            seed=self.seed,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=logit_bias,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            stop=tuple(stop),
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+        )
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ContentPart(_Body):
+    """Any typed content part; only text is served today, others are refused by the route."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: str
+    text: str | None = None
+
+
+class FunctionCall(_Body):
+    name: str
+    arguments: str | dict[str, Any] = "{}"  # models' history may carry malformed JSON: kept
+
+
+class ToolCall(_Body):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+
+    @model_validator(mode="after")
+    def _content_present(self) -> ChatMessage:
+        if self.content is None and self.role not in ("assistant",):
+            raise ValueError(f"a {self.role} message needs content")
+        return self
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    store: bool = False
+    metadata: dict[str, str] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    echo: bool = False
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+        if self.continue_final_message and self.add_generation_prompt:
+            # As in vLLM: continuing a message and opening a new turn contradict each other.
+            raise ValueError(
+                "continue_final_message and add_generation_prompt cannot both be "
+                "true; set add_generation_prompt to false"
+            )
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise ValueError("continue_final_message needs a final assistant message")
+        return self
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | TokenIds | list[TokenIds]
+    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _non_empty(cls, value: object) -> object:
+        if (
+            value == []
+            or value == ""
+            or (isinstance(value, list) and any(p == [] or p == "" for p in value))
+        ):
+            raise ValueError("prompt must not be empty")
+        return value
+
+    @model_validator(mode="after")
+    def _supported(self) -> CompletionRequest:
+        if self.suffix is not None:
+            raise ValueError("suffix is not supported")
+        if self.echo and self.logprobs is not None:
+            raise ValueError(
+                "echo together with logprobs is not supported yet (no prompt "
+                "logprobs); drop one of them"
+            )
+        return self
+
+
+class TokenizeRequest(_Body):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        return self
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: TokenIds

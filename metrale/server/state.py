@@ -1,0 +1,49 @@
+"""What the routes serve from: the engine, the tokenizer and the server's settings."""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from metrale.engine_args import EngineConfig
+from metrale.frontend.async_llm import AsyncLLM
+from metrale.server.errors import APIError, model_not_found
+from metrale.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    served_model_name: str
+    request_timeout_s: float | None = None
+    always_include_usage: bool = False
+    max_stored_completions: int = 1000
+
+
+@dataclass
+class ServerState:
+    llm: AsyncLLM
+    tokenizer: Tokenizer
+    config: EngineConfig
+    settings: ServerSettings
+    # The effective configuration, as /serve-config reports it (set by `met serve`).
+    serve_config: dict[str, Any] = field(default_factory=dict)
+    started_at_s: float = field(default_factory=time.time)
+    stored_completions: OrderedDict[str, dict[str, Any]] = field(default_factory=OrderedDict)
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.settings.served_model_name:
+            raise model_not_found(name)
+
+    def check_alive(self) -> None:
+        if not self.llm.is_alive:
+            raise APIError(
+                f"the engine is not running ({self.llm.client.dead_reason}); restart the server",
+                503,
+            )
+
+    def store_completion(self, completion_id: str, body: dict[str, Any]) -> None:
+        self.stored_completions[completion_id] = body
+        while len(self.stored_completions) > self.settings.max_stored_completions:
+            self.stored_completions.popitem(last=False)

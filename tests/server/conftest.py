@@ -1,0 +1,105 @@
+"""A real `met serve` subprocess on a tiny checkpoint, for the API tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+MODEL_NAME = "tiny-qwen3"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class RunningServer:
+    process: subprocess.Popen
+    base_url: str
+    log_path: Path
+
+    @property
+    def api_url(self) -> str:
+        return self.base_url + "/v1"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def engine_pid(self) -> int:
+        """The engine-core child of the server process."""
+        children = Path(f"/proc/{self.process.pid}/task/{self.process.pid}/children")
+        for pid in children.read_text().split():
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
+                return int(pid)
+        raise AssertionError("no engine-core process found")
+
+
+def start_server(model_dir: Path, log_path: Path, *extra: str) -> RunningServer:
+    port = free_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "metrale",
+        "serve",
+        "--model-from-path",
+        str(model_dir),
+        "--served-model-name",
+        MODEL_NAME,
+        "--port",
+        str(port),
+        "--max-seq-len",
+        "512",
+        "--num-kv-blocks",
+        "256",
+        "--dtype",
+        "float32",
+        *extra,
+    ]
+    log = log_path.open("w")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    server = RunningServer(process, f"http://127.0.0.1:{port}", log_path)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise AssertionError(f"met serve exited with {process.returncode}:\n{server.log()}")
+        try:
+            if httpx.get(server.base_url + "/health", timeout=1).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    process.kill()
+    raise AssertionError(f"met serve did not become healthy:\n{server.log()}")
+
+
+def stop_server(server: RunningServer) -> int:
+    if server.process.poll() is None:
+        server.process.send_signal(signal.SIGTERM)
+        try:
+            server.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.process.kill()
+            server.process.wait()
+    return server.process.returncode
+
+
+@pytest.fixture(scope="session")
+def server(qwen3_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    running = start_server(qwen3_dir, tmp_path_factory.mktemp("serve") / "server.log")
+    yield running
+    code = stop_server(running)
+    assert code == 0, f"met serve did not shut down cleanly ({code}):\n{running.log()}"

@@ -1,0 +1,228 @@
+"""A table of bad requests: each gets a 4xx with an OpenAI-shaped JSON error, never a 500,
+and the server answers normally afterwards."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.server.conftest import MODEL_NAME
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+USER = [{"role": "user", "content": "hi"}]
+
+
+def chat(**fields):
+    return {"model": MODEL_NAME, "messages": USER, **fields}
+
+
+def completion(**fields):
+    return {"model": MODEL_NAME, "prompt": "hi", **fields}
+
+
+# (name, path, body (dict, or bytes sent raw), expected status, a word the message must contain)
+CASES = [
+    ("invalid json", CHAT, b'{"model": ', 400, "JSON"),
+    ("invalid utf-8", CHAT, b'{"model": "\xff\xfe"}', 400, "UTF-8"),
+    ("empty body", CHAT, b"", 400, "JSON"),
+    ("json array body", CHAT, b"[1, 2]", 400, "object"),
+    ("json string body", CHAT, b'"hello"', 400, "object"),
+    ("absurd nesting", CHAT, b'{"x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, "nested"),
+    ("deep but parseable nesting", CHAT, b'{"x": ' + b"[" * 200 + b"]" * 200 + b"}", 400, "nested"),
+    ("missing messages", CHAT, {"model": MODEL_NAME}, 400, "messages"),
+    ("empty messages", CHAT, chat(messages=[]), 400, "messages"),
+    ("messages not a list", CHAT, chat(messages="hi"), 400, "messages"),
+    ("message not an object", CHAT, chat(messages=["hi"]), 400, "messages"),
+    ("unknown role", CHAT, chat(messages=[{"role": "wizard", "content": "x"}]), 400, "role"),
+    ("missing role", CHAT, chat(messages=[{"content": "x"}]), 400, "role"),
+    ("user without content", CHAT, chat(messages=[{"role": "user"}]), 400, "content"),
+    (
+        "content of wrong type",
+        CHAT,
+        chat(messages=[{"role": "user", "content": 5}]),
+        400,
+        "content",
+    ),
+    (
+        "image content part",
+        CHAT,
+        chat(
+            messages=[
+                {
+                    "role": "user",
+                    "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}],
+                }
+            ]
+        ),
+        400,
+        "image_url",
+    ),
+    (
+        "part without type",
+        CHAT,
+        chat(messages=[{"role": "user", "content": [{"text": "x"}]}]),
+        400,
+        "type",
+    ),
+    ("unknown model", CHAT, chat(model="gpt-17"), 404, "gpt-17"),
+    ("model of wrong type", CHAT, chat(model=5), 400, "model"),
+    ("temperature negative", CHAT, chat(temperature=-1), 400, "temperature"),
+    ("temperature too high", CHAT, chat(temperature=3), 400, "temperature"),
+    ("temperature as string", CHAT, chat(temperature="0.5"), 400, "temperature"),
+    (
+        "temperature NaN",
+        CHAT,
+        b'{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}',
+        400,
+        "temperature",
+    ),
+    ("top_p zero", CHAT, chat(top_p=0), 400, "top_p"),
+    ("top_p above one", CHAT, chat(top_p=1.5), 400, "top_p"),
+    ("top_k below -1", CHAT, chat(top_k=-2), 400, "top_k"),
+    ("min_p above one", CHAT, chat(min_p=1.5), 400, "min_p"),
+    ("max_tokens zero", CHAT, chat(max_tokens=0), 400, "max_tokens"),
+    ("max_tokens negative", CHAT, chat(max_tokens=-5), 400, "max_tokens"),
+    ("max_tokens float", CHAT, chat(max_tokens=1.5), 400, "max_tokens"),
+    (
+        "max_completion_tokens zero",
+        CHAT,
+        chat(max_completion_tokens=0),
+        400,
+        "max_completion_tokens",
+    ),
+    ("max_tokens past max_seq_len", CHAT, chat(max_tokens=100_000), 400, "512"),
+    ("n zero", CHAT, chat(n=0), 400, "n"),
+    ("n huge", CHAT, chat(n=10_000), 400, "n"),
+    ("presence_penalty out of range", CHAT, chat(presence_penalty=5), 400, "presence_penalty"),
+    ("frequency_penalty out of range", CHAT, chat(frequency_penalty=-3), 400, "frequency_penalty"),
+    ("repetition_penalty zero", CHAT, chat(repetition_penalty=0), 400, "repetition_penalty"),
+    ("logit_bias non-integer key", CHAT, chat(logit_bias={"abc": 1}), 400, "logit_bias"),
+    ("logit_bias value out of range", CHAT, chat(logit_bias={"5": 500}), 400, "logit_bias"),
+    ("logit_bias token past vocab", CHAT, chat(logit_bias={"99999999": 1}), 400, "logit_bias"),
+    ("top_logprobs without logprobs", CHAT, chat(top_logprobs=3), 400, "logprobs"),
+    ("top_logprobs too many", CHAT, chat(logprobs=True, top_logprobs=50), 400, "top_logprobs"),
+    ("logprobs of wrong type", CHAT, chat(logprobs="yes"), 400, "logprobs"),
+    ("stop of wrong type", CHAT, chat(stop=5), 400, "stop"),
+    ("empty stop string", CHAT, chat(stop=[""]), 400, "stop"),
+    ("too many stop strings", CHAT, chat(stop=[str(i) for i in range(20)]), 400, "stop"),
+    ("stop_token_ids negative", CHAT, chat(stop_token_ids=[-1]), 400, "stop_token_ids"),
+    ("stream of wrong type", CHAT, chat(stream="yes"), 400, "stream"),
+    (
+        "stream_options of wrong type",
+        CHAT,
+        chat(stream=True, stream_options=5),
+        400,
+        "stream_options",
+    ),
+    ("seed of wrong type", CHAT, chat(seed="x"), 400, "seed"),
+    ("min_tokens negative", CHAT, chat(min_tokens=-1), 400, "min_tokens"),
+    (
+        "tool call without function",
+        CHAT,
+        chat(messages=[{"role": "assistant", "tool_calls": [{"id": "1", "type": "function"}]}]),
+        400,
+        "function",
+    ),
+    (
+        "continue_final_message on user turn",
+        CHAT,
+        chat(continue_final_message=True, add_generation_prompt=False),
+        400,
+        "assistant",
+    ),
+    (
+        "chat_template_kwargs of wrong type",
+        CHAT,
+        chat(chat_template_kwargs=[1]),
+        400,
+        "chat_template_kwargs",
+    ),
+    (
+        "prompt too long (chat)",
+        CHAT,
+        chat(messages=[{"role": "user", "content": "word " * 2000}]),
+        400,
+        "512",
+    ),
+    (
+        "streaming request with bad field",
+        CHAT,
+        chat(stream=True, temperature=-1),
+        400,
+        "temperature",
+    ),
+    ("completions without prompt", COMPLETIONS, {"model": MODEL_NAME}, 400, "prompt"),
+    ("completions empty prompt", COMPLETIONS, completion(prompt=""), 400, "prompt"),
+    ("completions empty token list", COMPLETIONS, completion(prompt=[]), 400, "prompt"),
+    ("completions negative token id", COMPLETIONS, completion(prompt=[1, -2]), 400, "prompt"),
+    (
+        "completions token id past vocab",
+        COMPLETIONS,
+        completion(prompt=[1, 10_000_000]),
+        400,
+        "out of range",
+    ),
+    ("completions prompt of wrong type", COMPLETIONS, completion(prompt={"a": 1}), 400, "prompt"),
+    ("completions mixed batch", COMPLETIONS, completion(prompt=["a", [1, 2]]), 400, "prompt"),
+    (
+        "completions prompt too long",
+        COMPLETIONS,
+        completion(prompt=list(range(5, 700))),
+        400,
+        "512",
+    ),
+    ("completions logprobs too many", COMPLETIONS, completion(logprobs=10), 400, "logprobs"),
+    ("completions echo with logprobs", COMPLETIONS, completion(echo=True, logprobs=1), 400, "echo"),
+    ("completions suffix", COMPLETIONS, completion(suffix="x"), 400, "suffix"),
+    ("completions unknown model", COMPLETIONS, completion(model="other"), 404, "other"),
+    (
+        "completions streaming bad max_tokens",
+        COMPLETIONS,
+        completion(stream=True, max_tokens=0),
+        400,
+        "max_tokens",
+    ),
+    ("tokenize neither prompt nor messages", "/tokenize", {}, 400, "prompt"),
+    ("tokenize both", "/tokenize", {"prompt": "x", "messages": USER}, 400, "prompt"),
+    ("detokenize negative id", "/detokenize", {"tokens": [-1]}, 400, "tokens"),
+    ("detokenize id past vocab", "/detokenize", {"tokens": [10**9]}, 400, "out of range"),
+    ("unknown route", "/v1/nothing-here", {}, 404, "Not Found"),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "path", "body", "status", "word"), CASES, ids=[c[0] for c in CASES]
+)
+def test_bad_request_gets_a_clear_4xx(server, name, path, body, status, word):
+    kwargs = (
+        {"content": body, "headers": {"content-type": "application/json"}}
+        if isinstance(body, bytes)
+        else {"json": body}
+    )
+    response = httpx.post(server.base_url + path, timeout=30, **kwargs)
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"].startswith("application/json")
+    error = response.json()["error"]
+    assert set(error) >= {"message", "type", "param", "code"}
+    assert word.lower() in error["message"].lower(), error
+
+
+def test_table_is_large_enough():
+    assert len(CASES) >= 50
+
+
+def test_wrong_method_is_an_api_error(server):
+    response = httpx.get(server.base_url + CHAT)
+    assert response.status_code == 405
+    assert "error" in response.json()
+
+
+def test_server_answers_normally_after_the_bad_requests(server):
+    for _name, path, body, *_ in CASES[:10]:
+        kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
+        httpx.post(server.base_url + path, timeout=30, **kwargs)
+    response = httpx.post(server.base_url + CHAT, json=chat(max_tokens=3), timeout=30)
+    assert response.status_code == 200
+    assert response.json()["choices"][0]["message"]["role"] == "assistant"
+    assert httpx.get(server.base_url + "/health").status_code == 200
