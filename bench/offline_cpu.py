@@ -34,9 +34,18 @@ import transformers
 from metrale import LLM, SamplingParams
 
 ROOT = Path(__file__).resolve().parent
-SHAPE = dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
-             num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=2048,
-             tie_word_embeddings=False, bos_token_id=None, eos_token_id=None)
+SHAPE = dict(
+    vocab_size=32000,
+    hidden_size=512,
+    intermediate_size=1408,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    max_position_embeddings=2048,
+    tie_word_embeddings=False,
+    bos_token_id=None,
+    eos_token_id=None,
+)
 
 
 def build_checkpoint(path: Path) -> Path:
@@ -61,20 +70,25 @@ class Ours:
         self.llm = LLM(model_from_path=str(path), dtype="float32", max_seq_len=1024)
 
     def generate(self, prompts: list[list[int]], output_lens: list[int]) -> None:
-        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-                  for n in output_lens]
+        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in output_lens]
         self.llm.generate(prompts, params, use_tqdm=False)
 
 
 class HF:
     def __init__(self, path: Path) -> None:
         self.model = transformers.AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch.float32).eval()
+            path, dtype=torch.float32
+        ).eval()
         self.model.generation_config.eos_token_id = None
 
     def generate_one(self, prompt: list[int], n: int) -> None:
-        self.model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n,
-                            do_sample=False, pad_token_id=0)
+        self.model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+        )
 
     def generate(self, prompts: list[list[int]], output_lens: list[int]) -> None:
         for prompt, n in zip(prompts, output_lens, strict=True):
@@ -85,11 +99,17 @@ class HF:
         ids = torch.zeros(len(prompts), width, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for i, p in enumerate(prompts):
-            ids[i, width - len(p):] = torch.tensor(p)
-            mask[i, width - len(p):] = 1
+            ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = 1
         n = max(output_lens)
-        self.model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
-                            do_sample=False, pad_token_id=0)
+        self.model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+        )
 
 
 def main() -> None:
@@ -103,23 +123,37 @@ def main() -> None:
     num_params = sum(p.numel() for p in hf.model.parameters())
     g = torch.Generator().manual_seed(0)
     prompt128 = torch.randint(10, 4000, (128,), generator=g).tolist()
-    prompts16 = [torch.randint(10, 4000, (int(n),), generator=g).tolist()
-                 for n in torch.randint(32, 513, (16,), generator=g)]
+    prompts16 = [
+        torch.randint(10, 4000, (int(n),), generator=g).tolist()
+        for n in torch.randint(32, 513, (16,), generator=g)
+    ]
     outputs16 = torch.randint(32, 257, (16,), generator=g).tolist()
     total16 = sum(outputs16)
 
     ours.generate([prompt128[:16]], [4])  # warm up both
     hf.generate_one(prompt128[:16], 4)
-    runs: dict[str, list[float]] = {k: [] for k in ("ours_b1", "hf_b1", "ours_16", "hf_16_seq",
-                                                    "hf_16_padded")}
+    runs: dict[str, list[float]] = {
+        k: [] for k in ("ours_b1", "hf_b1", "ours_16", "hf_16_seq", "hf_16_padded")
+    }
     for r in range(args.repeats):
-        runs["ours_b1"].append(128 / (timed(lambda: ours.generate([prompt128], [129]))
-                                      - timed(lambda: ours.generate([prompt128], [1]))))
-        runs["hf_b1"].append(128 / (timed(lambda: hf.generate_one(prompt128, 129))
-                                    - timed(lambda: hf.generate_one(prompt128, 1))))
+        runs["ours_b1"].append(
+            128
+            / (
+                timed(lambda: ours.generate([prompt128], [129]))
+                - timed(lambda: ours.generate([prompt128], [1]))
+            )
+        )
+        runs["hf_b1"].append(
+            128
+            / (
+                timed(lambda: hf.generate_one(prompt128, 129))
+                - timed(lambda: hf.generate_one(prompt128, 1))
+            )
+        )
         runs["ours_16"].append(total16 / timed(lambda: ours.generate(prompts16, outputs16)))
-        runs["hf_16_padded"].append(total16 / timed(lambda: hf.generate_padded(prompts16,
-                                                                               outputs16)))
+        runs["hf_16_padded"].append(
+            total16 / timed(lambda: hf.generate_padded(prompts16, outputs16))
+        )
         if r == 0:  # the slowest reference: once is enough
             runs["hf_16_seq"].append(total16 / timed(lambda: hf.generate(prompts16, outputs16)))
         print(f"repeat {r + 1}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in runs.items() if v))
@@ -128,12 +162,19 @@ def main() -> None:
     result = {
         "benchmark": "offline_cpu",
         "date": datetime.date.today().isoformat(),
-        "git_sha": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                  text=True, cwd=ROOT).stdout.strip(),
-        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                    "torch_threads": torch.get_num_threads()},
-        "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
-                     "python": platform.python_version()},
+        "git_sha": subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
+        ).stdout.strip(),
+        "machine": {
+            "cpu": platform.processor() or platform.machine(),
+            "cores": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+        },
+        "versions": {
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "python": platform.python_version(),
+        },
         "model": {"shape": SHAPE, "num_params": num_params, "dtype": "float32"},
         "tokens_per_s_median": med,
         "runs": runs,

@@ -19,7 +19,7 @@ from metrale.engine.request import (
     Request,
     RequestStatus,
 )
-from metrale.engine.step import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
+from metrale.engine.step import ModelRunnerOutput, ScheduledChunk, SchedulerOutput, TokenHistory
 
 
 class Scheduler:
@@ -150,14 +150,19 @@ class Scheduler:
         banned: tuple[int, ...] = ()
         if request.num_output_tokens < params.min_tokens:
             banned = params.stop_token_ids + (() if params.ignore_eos else request.eos_token_ids)
+        samples = end == request.num_tokens
+        history = None
+        if samples and params.has_penalties:
+            history = TokenHistory(request.prompt_token_ids, request.output_token_ids)
         return ScheduledChunk(
             request_id=request.request_id,
             token_ids=request.all_token_ids[start:end],
             start_pos=start,
             block_ids=self.kv_cache.block_ids(request.request_id),
-            samples=end == request.num_tokens,
+            samples=samples,
             sampling_params=params,
             banned_token_ids=banned,
+            token_history=history,
         )
 
     def _check_stop(self, request: Request, token_id: int) -> FinishReason | None:

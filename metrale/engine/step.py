@@ -3,9 +3,21 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from metrale.engine.request import TokenLogprobs
 from metrale.sampling_params import SamplingParams
+
+
+class TokenHistory(NamedTuple):
+    """A request's prompt and output ids, shared with the request rather than copied.
+
+    Valid while the step runs: the scheduler's `update()` appends the sampled token to
+    `output_token_ids` afterwards.
+    """
+
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
 
 
 @dataclass(frozen=True)
@@ -14,7 +26,8 @@ class ScheduledChunk:
 
     `token_ids` start at position `start_pos` (the request's computed tokens before the step).
     When `samples` is true the chunk reaches the request's last known token, so the step samples
-    the next one; a chunk in the middle of a long prompt samples nothing.
+    the next one; a chunk in the middle of a long prompt samples nothing. `token_history` is set
+    only on sampling chunks whose params have penalties, so requests without them cost no copy.
     """
 
     request_id: str
@@ -24,6 +37,7 @@ class ScheduledChunk:
     samples: bool
     sampling_params: SamplingParams
     banned_token_ids: tuple[int, ...] = ()  # stop tokens masked until min_tokens is reached
+    token_history: TokenHistory | None = None  # what the penalties count
 
     @property
     def num_tokens(self) -> int:

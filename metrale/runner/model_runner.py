@@ -17,7 +17,8 @@ from metrale.engine.request import TokenLogprobs
 from metrale.engine.step import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 from metrale.layers.attention import AttentionMetadata
 from metrale.runner.input_buffers import InputBuffers
-from metrale.runner.sampler import SamplerOutput, SamplingMetadata, sample
+from metrale.runner.sampler import LogitBias, Penalties, SamplerOutput, SamplingMetadata, sample
+from metrale.sampling_params import SamplingParams
 
 
 class ModelRunner:
@@ -139,7 +140,53 @@ class ModelRunner:
                 (row, c.banned_token_ids) for row, c in enumerate(chunks) if c.banned_token_ids
             ],
             max_num_logprobs=max(logprobs) if logprobs else None,
+            logit_bias=self._logit_bias(params),
+            penalties=self._penalties(chunks),
         )
+
+    def _logit_bias(self, params: list[SamplingParams]) -> LogitBias | None:
+        rows, token_ids, values = [], [], []
+        for row, p in enumerate(params):
+            for token_id, value in (p.logit_bias or {}).items():
+                rows.append(row)
+                token_ids.append(token_id)
+                values.append(value)
+        if not rows:
+            return None
+        return LogitBias(
+            rows=self._tensor(rows, torch.int64),
+            token_ids=self._tensor(token_ids, torch.int64),
+            values=self._tensor(values, torch.float32),
+        )
+
+    def _penalties(self, chunks: list[ScheduledChunk]) -> Penalties | None:
+        """The penalty rows' token histories, padded on the host; None when no row has any."""
+        rows = [row for row, c in enumerate(chunks) if c.token_history is not None]
+        if not rows:
+            return None
+        params = [chunks[row].sampling_params for row in rows]
+        histories = [chunks[row].token_history for row in rows]
+        # Only the repetition penalty reads the prompt, which may be long: ship it only then.
+        prompt_ids = [
+            h.prompt_token_ids if p.repetition_penalty != 1.0 else []
+            for h, p in zip(histories, params, strict=True)
+        ]
+        return Penalties(
+            rows=self._tensor(rows, torch.int64),
+            prompt_ids=self._padded_ids(prompt_ids),
+            output_ids=self._padded_ids([h.output_token_ids for h in histories]),
+            presence=self._tensor([p.presence_penalty for p in params], torch.float32),
+            frequency=self._tensor([p.frequency_penalty for p in params], torch.float32),
+            repetition=self._tensor([p.repetition_penalty for p in params], torch.float32),
+        )
+
+    def _padded_ids(self, id_lists: list[list[int]]) -> torch.Tensor:
+        """Right-pad with the vocabulary size, the id the sampler's counts drop."""
+        max_len = max(len(ids) for ids in id_lists)
+        padded = np.full((len(id_lists), max_len), self.model_config.vocab_size, dtype=np.int64)
+        for row, ids in enumerate(id_lists):
+            padded[row, : len(ids)] = ids
+        return torch.from_numpy(padded).to(self.device, non_blocking=True)
 
     def _generator(self, request_id: str, seed: int) -> torch.Generator:
         generator = self._generators.get(request_id)

@@ -1,7 +1,9 @@
 """Pick each request's next token from its logits, batched on the device.
 
-One pass serves a whole batch of mixed requests: greedy rows take the argmax, the others go
-through temperature, top-k, top-p and min-p, then draw by the exponential race
+One pass serves a whole batch of mixed requests. In vLLM's order: logprobs are read from the raw
+logits; then banned tokens (min_tokens), logit bias and the repetition, frequency and presence
+penalties reshape the logits, so they steer greedy rows too; then greedy rows take the argmax and
+the others go through temperature, top-k, top-p and min-p and draw by the exponential race
 (argmax of p / q with q ~ Exp(1), the same distribution as sampling from p). A seeded request
 draws its noise from its own generator, so its tokens depend on its seed alone, whatever else
 shares the batch. Nothing here syncs with the host.
@@ -12,6 +14,31 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+
+@dataclass(frozen=True)
+class LogitBias:
+    """The batch's logit_bias entries, flattened: entry i adds `values[i]` to one logit."""
+
+    rows: torch.Tensor  # [num_entries] int64, rows of the batch
+    token_ids: torch.Tensor  # [num_entries] int64
+    values: torch.Tensor  # [num_entries] fp32
+
+
+@dataclass(frozen=True)
+class Penalties:
+    """The penalties of the rows that have any; the other rows of the batch are never touched.
+
+    Token ids are right-padded with the vocabulary size, which counts into a spare column that is
+    dropped. A row whose repetition penalty is 1 carries no prompt ids: only repetition reads them.
+    """
+
+    rows: torch.Tensor  # [num_penalty_rows] int64, rows of the batch
+    prompt_ids: torch.Tensor  # [num_penalty_rows, max_prompt_len] int64
+    output_ids: torch.Tensor  # [num_penalty_rows, max_output_len] int64
+    presence: torch.Tensor  # [num_penalty_rows] fp32
+    frequency: torch.Tensor  # [num_penalty_rows] fp32
+    repetition: torch.Tensor  # [num_penalty_rows] fp32
 
 
 @dataclass(frozen=True)
@@ -26,6 +53,8 @@ class SamplingMetadata:
     generators: dict[int, torch.Generator]  # row -> generator of a seeded request
     banned: list[tuple[int, tuple[int, ...]]]  # (row, token ids) masked this step (min_tokens)
     max_num_logprobs: int | None  # largest top-N asked in the batch; None: no logprobs
+    logit_bias: LogitBias | None = None  # None: no row has a logit bias
+    penalties: Penalties | None = None  # None: no row has penalties
 
 
 @dataclass(frozen=True)
@@ -42,8 +71,7 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
     raw_logprobs = None
     if meta.max_num_logprobs is not None:
         raw_logprobs = torch.log_softmax(logits, dim=-1)
-    for row, token_ids in meta.banned:
-        logits[row, list(token_ids)] = float("-inf")
+    _adjust_logits(logits, meta)
 
     greedy_ids = logits.argmax(dim=-1)
     if meta.all_greedy:
@@ -70,6 +98,47 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
     ranks = (raw_logprobs > chosen).sum(dim=-1) + 1
     top_logprobs, top_ids = raw_logprobs.topk(meta.max_num_logprobs, dim=-1)
     return SamplerOutput(token_ids, chosen.squeeze(1), ranks, top_ids, top_logprobs)
+
+
+def _adjust_logits(logits: torch.Tensor, meta: SamplingMetadata) -> None:
+    """Ban, bias and penalise in place, in vLLM's order; rows asking for none stay bit-identical."""
+    # logits: [num_rows, vocab_size] fp32
+    for row, token_ids in meta.banned:
+        logits[row, list(token_ids)] = float("-inf")
+    if meta.logit_bias is not None:
+        bias = meta.logit_bias
+        logits.index_put_((bias.rows, bias.token_ids), bias.values, accumulate=True)
+    if meta.penalties is not None:
+        _apply_penalties(logits, meta.penalties)
+
+
+def _apply_penalties(logits: torch.Tensor, penalties: Penalties) -> None:
+    """Penalise, in place, the tokens each penalty row has already seen.
+
+    Repetition (Hugging Face) divides a seen token's positive logit by the penalty and multiplies
+    a negative one, over prompt and output; frequency (OpenAI) subtracts per output occurrence,
+    presence once per token that occurs in the output.
+    """
+    vocab_size = logits.shape[-1]
+    rows = penalties.rows
+    penalised = logits.index_select(0, rows)  # [num_penalty_rows, vocab_size]
+    output_counts = _token_counts(penalties.output_ids, vocab_size)
+    in_output = output_counts > 0
+    seen = in_output | (_token_counts(penalties.prompt_ids, vocab_size) > 0)
+    repetition = penalties.repetition.unsqueeze(1)
+    repeated = torch.where(penalised > 0, penalised / repetition, penalised * repetition)
+    penalised = torch.where(seen, repeated, penalised)
+    penalised -= penalties.frequency.unsqueeze(1) * output_counts
+    penalised -= penalties.presence.unsqueeze(1) * in_output
+    logits.index_copy_(0, rows, penalised)
+
+
+def _token_counts(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """How often each token occurs in each row; padding (id `vocab_size`) is not counted."""
+    # token_ids: [num_rows, max_len] int64, right-padded with vocab_size
+    counts = torch.zeros(token_ids.shape[0], vocab_size + 1, device=token_ids.device)
+    counts.scatter_add_(1, token_ids, torch.ones_like(token_ids, dtype=counts.dtype))
+    return counts[:, :vocab_size]  # [num_rows, vocab_size] fp32
 
 
 def _apply_top_k_top_p(

@@ -13,8 +13,11 @@ def llm(qwen3_dir):
 
 
 def test_text_prompt_is_tokenized_and_output_detokenized(llm):
-    (out,) = llm.generate("Hello, wörld! 你好", SamplingParams(temperature=0, max_tokens=12,
-                                                               ignore_eos=True), use_tqdm=False)
+    (out,) = llm.generate(
+        "Hello, wörld! 你好",
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+        use_tqdm=False,
+    )
     tokenizer = llm.get_tokenizer()
     assert out.prompt == "Hello, wörld! 你好"
     assert out.prompt_token_ids == tokenizer.encode("Hello, wörld! 你好")
@@ -42,29 +45,46 @@ def test_seeded_sampling_is_reproducible_and_n_fans_out(llm):
     other_seed = SamplingParams(temperature=1.0, max_tokens=10, seed=124, ignore_eos=True)
     assert llm.generate("story", other_seed, use_tqdm=False)[0].outputs[0].token_ids != a
 
-    out = llm.generate("story", SamplingParams(n=3, temperature=1.0, max_tokens=6, seed=1),
-                       use_tqdm=False)[0]
+    out = llm.generate(
+        "story", SamplingParams(n=3, temperature=1.0, max_tokens=6, seed=1), use_tqdm=False
+    )[0]
     assert [c.index for c in out.outputs] == [0, 1, 2]
-    assert out.outputs[0].token_ids == llm.generate(
-        "story", SamplingParams(temperature=1.0, max_tokens=6, seed=1), use_tqdm=False
-    )[0].outputs[0].token_ids
+    assert (
+        out.outputs[0].token_ids
+        == llm.generate(
+            "story", SamplingParams(temperature=1.0, max_tokens=6, seed=1), use_tqdm=False
+        )[0]
+        .outputs[0]
+        .token_ids
+    )
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1
 
 
 def test_stop_token_ids_min_tokens_and_logprobs(llm):
-    greedy = llm.generate([3, 4, 5], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
-                          use_tqdm=False)[0].outputs[0].token_ids
+    greedy = (
+        llm.generate(
+            [3, 4, 5], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False
+        )[0]
+        .outputs[0]
+        .token_ids
+    )
     stop = greedy[3]
     first = greedy.index(stop)
-    out = llm.generate([3, 4, 5], SamplingParams(temperature=0, max_tokens=8,
-                       stop_token_ids=[stop], logprobs=3), use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        [3, 4, 5],
+        SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[stop], logprobs=3),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert out.token_ids == greedy[: first + 1] and out.finish_reason == "stop"
     assert len(out.logprobs) == len(out.token_ids)
     for token, position in zip(out.token_ids, out.logprobs, strict=True):
         assert position[token].rank == 1  # greedy picks the most likely token
         assert sorted(lp.rank for lp in position.values()) == [1, 2, 3]
-    banned = llm.generate([3, 4, 5], SamplingParams(temperature=0, max_tokens=8, min_tokens=8,
-                          stop_token_ids=[stop]), use_tqdm=False)[0].outputs[0]
+    banned = llm.generate(
+        [3, 4, 5],
+        SamplingParams(temperature=0, max_tokens=8, min_tokens=8, stop_token_ids=[stop]),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert stop not in banned.token_ids and len(banned.token_ids) == 8
 
 
@@ -127,3 +147,24 @@ def test_demo_model_runs_offline_and_says_its_weights_are_random(caplog):
     # Deterministic: a second engine on the same generated checkpoint says the same.
     again = LLM().generate(prompt, SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
     assert again[0].outputs[0].token_ids == out.outputs[0].token_ids
+
+
+def test_logit_bias_forces_a_token_every_greedy_step_and_spares_its_batch(llm):
+    plain = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    biased = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logit_bias={42: 100.0})
+    alone = llm.generate("story", plain, use_tqdm=False)[0].outputs[0].token_ids
+    outputs = llm.generate(["story", "story"], [biased, plain], use_tqdm=False)
+    assert outputs[0].outputs[0].token_ids == [42] * 8
+    assert outputs[1].outputs[0].token_ids == alone
+
+
+def test_frequency_penalty_breaks_greedy_repetition(llm):
+    def most_repeated(frequency_penalty: float) -> int:
+        params = SamplingParams(
+            temperature=0, max_tokens=32, ignore_eos=True, frequency_penalty=frequency_penalty
+        )
+        token_ids = llm.generate([[9] * 40], params, use_tqdm=False)[0].outputs[0].token_ids
+        return max(token_ids.count(t) for t in token_ids)
+
+    assert most_repeated(0.0) >= 6, "the unpenalised run loops on a few tokens"
+    assert most_repeated(2.0) <= 2
