@@ -10,7 +10,9 @@ saved, so both engines load the very same tensors), fp32, greedy, EOS ignored:
   as one left-padded batch (which must decode until the longest request is done; only the
   tokens each request asked for are counted).
 
-Each figure is the median of --repeats runs, engines interleaved. Results go to
+Each figure is the median of --repeats runs, engines interleaved. The machine's copy bandwidth
+is measured in the same run, and B1 is also given as a fraction of the memory roofline (bytes a
+decode step must read / copy bandwidth): both engines are bound by it on this CPU. Results go to
 bench/results/offline_cpu-<date>.json.
 
     python bench/offline_cpu.py [--repeats 3]
@@ -112,9 +114,29 @@ class HF:
         )
 
 
+def copy_bandwidth_gb_s() -> float:
+    """This machine's memory bandwidth: a 512 MiB copy, bytes read plus written, best of 5."""
+    src = torch.ones(128 * 2**20)
+    dst = torch.empty_like(src)
+    best = min(timed(lambda: dst.copy_(src)) for _ in range(5))
+    return 2 * src.numel() * src.element_size() / best / 1e9
+
+
+def b1_bytes_per_token(model: torch.nn.Module, context_len: int) -> int:
+    """Bytes a batch-1 decode step must read: every weight but the embedding table (one row of
+    it), plus the KV cache of the context."""
+    config = model.config
+    weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                  if "embed_tokens" not in n)
+    embedding_row = config.hidden_size * 4
+    head_dim = config.hidden_size // config.num_attention_heads
+    kv = 2 * config.num_hidden_layers * context_len * config.num_key_value_heads * head_dim * 4
+    return weights + embedding_row + kv
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--checkpoint", type=Path, default=ROOT / ".cache" / "llama-58m")
     args = parser.parse_args()
 
@@ -159,6 +181,9 @@ def main() -> None:
         print(f"repeat {r + 1}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in runs.items() if v))
 
     med = {k: statistics.median(v) for k, v in runs.items()}
+    bandwidth = copy_bandwidth_gb_s()
+    # The B1 step reads its weights once per token; the average context is prompt + 64.
+    roofline = bandwidth * 1e9 / b1_bytes_per_token(hf.model, 128 + 64)
     result = {
         "benchmark": "offline_cpu",
         "date": datetime.date.today().isoformat(),
@@ -177,9 +202,13 @@ def main() -> None:
         },
         "model": {"shape": SHAPE, "num_params": num_params, "dtype": "float32"},
         "tokens_per_s_median": med,
+        "copy_bandwidth_gb_s": bandwidth,
+        "b1_roofline_tokens_per_s": roofline,
         "runs": runs,
         "ratios": {
             "b1_decode_vs_hf": med["ours_b1"] / med["hf_b1"],
+            "b1_decode_vs_roofline": med["ours_b1"] / roofline,
+            "hf_b1_decode_vs_roofline": med["hf_b1"] / roofline,
             "16_requests_vs_hf_sequential": med["ours_16"] / med["hf_16_seq"],
             "16_requests_vs_hf_padded_batch": med["ours_16"] / med["hf_16_padded"],
         },
@@ -187,7 +216,8 @@ def main() -> None:
     out = ROOT / "results" / f"offline_cpu-{result['date']}.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps({"tokens_per_s_median": med, "ratios": result["ratios"]}, indent=2))
+    print(json.dumps({"tokens_per_s_median": med, "ratios": result["ratios"],
+                      "copy_bandwidth_gb_s": bandwidth, "b1_roofline": roofline}, indent=2))
     print(f"wrote {out}")
 
 

@@ -137,8 +137,11 @@ class Attention(nn.Module):
         slots = (-1, self.num_kv_heads, self.head_dim)
         self.k_cache.view(slots).index_copy_(0, meta.slot_mapping, k)
         self.v_cache.view(slots).index_copy_(0, meta.slot_mapping, v)
+        d = meta.decode
+        if d is not None and not meta.prefills:  # decode only: rows already in order
+            return self._attend(q.unsqueeze(1), d.block_ids, d.num_seqs, d.mask).squeeze(1)
         out = torch.empty_like(q)
-        if (d := meta.decode) is not None:
+        if d is not None:
             out[d.token_idx] = self._attend(
                 q[d.token_idx].unsqueeze(1), d.block_ids, d.num_seqs, d.mask
             ).squeeze(1)

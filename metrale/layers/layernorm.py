@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -23,9 +24,8 @@ class RMSNorm(nn.Module):
         if residual is not None:
             x = x + residual
         residual = x
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype), residual
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * normed.to(x.dtype), residual
 
     def norm(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward(x)[0]

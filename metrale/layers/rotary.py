@@ -56,19 +56,18 @@ class RotaryEmbedding(nn.Module):
         """cos and sin at each position, looked up once per step and shared by every layer."""
         cos = self.cos_cache[positions].unsqueeze(1).to(dtype)  # [num_tokens, 1, head_dim]
         sin = self.sin_cache[positions].unsqueeze(1).to(dtype)
-        return RotaryAngles(cos, sin)
+        half = sin.shape[-1] // 2
+        # rotate_half(x) * sin == roll(x, half) * [-sin_1, sin_2]: one roll instead of a split,
+        # a negation and a concatenation per call, with bit-identical results.
+        signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        return RotaryAngles(cos, signed_sin)
 
 
 @dataclass(frozen=True)
 class RotaryAngles:
     cos: torch.Tensor  # [num_tokens, 1, head_dim]
-    sin: torch.Tensor
+    signed_sin: torch.Tensor  # [num_tokens, 1, head_dim], first half negated
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, num_heads, head_dim]
-        return x * self.cos + _rotate_half(x) * self.sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+        return x * self.cos + x.roll(x.shape[-1] // 2, dims=-1) * self.signed_sin

@@ -1,0 +1,135 @@
+"""Server throughput at 32 concurrent streams, against the offline engine in the same run.
+
+The same ~58M-parameter Llama-shaped checkpoint as offline_cpu.py. Workload: 32 requests,
+prompts of 128 random token ids, 128 output tokens each (greedy, EOS ignored). The server is a
+real `met serve` subprocess (engine core in its own process) driven by 32 concurrent streaming
+`/v1/completions` requests; the reference is `LLM.generate` on the same 32 requests in this
+process, before the server starts. Output tokens/s are medians over --repeats runs.
+
+    python bench/serve_cpu.py [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import platform
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import torch
+
+from metrale import LLM, SamplingParams
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))
+from offline_cpu import build_checkpoint  # noqa: E402
+
+NUM_STREAMS, PROMPT_LEN, OUTPUT_LEN = 32, 128, 128
+
+
+def workload() -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(10, 4000, (PROMPT_LEN,), generator=g).tolist()
+            for _ in range(NUM_STREAMS)]
+
+
+def offline_tokens_per_s(path: Path, prompts: list[list[int]], repeats: int) -> list[float]:
+    # No prefix caching on either side: every run computes its prompts.
+    llm = LLM(model_from_path=str(path), dtype="float32", max_seq_len=1024,
+              enable_prefix_caching=False)
+    params = SamplingParams(temperature=0, max_tokens=OUTPUT_LEN, ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(max_tokens=2), use_tqdm=False)
+    runs = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        runs.append(sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed)
+    return runs
+
+
+async def one_stream(client: httpx.AsyncClient, prompt: list[int]) -> int:
+    body = {"prompt": prompt, "max_tokens": OUTPUT_LEN, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    tokens = 0
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        async for line in response.aiter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+    return tokens
+
+
+async def server_run(base_url: str, prompts: list[list[int]]) -> float:
+    limits = httpx.Limits(max_connections=NUM_STREAMS)
+    async with httpx.AsyncClient(base_url=base_url, timeout=600, limits=limits) as client:
+        start = time.perf_counter()
+        counts = await asyncio.gather(*(one_stream(client, p) for p in prompts))
+        return sum(counts) / (time.perf_counter() - start)
+
+
+def server_tokens_per_s(path: Path, prompts: list[list[int]], repeats: int) -> list[float]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "metrale", "serve", "--model-from-path", str(path), "--port",
+           str(port), "--dtype", "float32", "--max-seq-len", "1024", "--no-prefix-caching"]
+    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            try:
+                if httpx.get(base_url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        asyncio.run(server_run(base_url, prompts[:2]))  # warm up
+        return [asyncio.run(server_run(base_url, prompts)) for _ in range(repeats)]
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(timeout=60)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--checkpoint", type=Path, default=ROOT / ".cache" / "llama-58m")
+    args = parser.parse_args()
+    path = build_checkpoint(args.checkpoint)
+    prompts = workload()
+    offline = offline_tokens_per_s(path, prompts, args.repeats)
+    served = server_tokens_per_s(path, prompts, args.repeats)
+    med_offline, med_served = statistics.median(offline), statistics.median(served)
+    result = {
+        "benchmark": "serve_cpu",
+        "date": datetime.date.today().isoformat(),
+        "git_sha": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                  text=True, cwd=ROOT).stdout.strip(),
+        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
+        "versions": {"torch": torch.__version__, "python": platform.python_version()},
+        "workload": {"streams": NUM_STREAMS, "prompt_len": PROMPT_LEN, "output_len": OUTPUT_LEN},
+        "offline_tokens_per_s": offline,
+        "server_tokens_per_s": served,
+        "median": {"offline": med_offline, "server": med_served},
+        "server_vs_offline": med_served / med_offline,
+    }
+    out = ROOT / "results" / f"serve_cpu-{result['date']}.json"
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({"median": result["median"],
+                      "server_vs_offline": result["server_vs_offline"]}, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,174 @@
+"""Chat and completion semantics through the HTTP API: templates, n, stops, penalties, limits."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.server.conftest import MODEL_NAME, start_server, stop_server
+
+USER = [{"role": "user", "content": "Name three colours."}]
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.api_url, api_key="unused", max_retries=0)
+
+
+def prompt_tokens(server, **body) -> int:
+    return httpx.post(server.base_url + "/tokenize", json=body).json()["count"]
+
+
+def test_chat_template_kwargs_reach_the_template(client, server):
+    thinking_off = {"enable_thinking": False}
+    out = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=USER,
+        max_tokens=1,
+        extra_body={"chat_template_kwargs": thinking_off},
+    )
+    default = client.chat.completions.create(model=MODEL_NAME, messages=USER, max_tokens=1)
+    # The demo template closes an empty think block when thinking is off: more prompt tokens.
+    assert out.usage.prompt_tokens > default.usage.prompt_tokens
+    assert out.usage.prompt_tokens == prompt_tokens(
+        server, messages=USER, chat_template_kwargs=thinking_off
+    )
+
+
+def test_continue_final_message_extends_the_assistant_turn(client, server):
+    messages = [*USER, {"role": "assistant", "content": "Red, green and"}]
+    out = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=messages,
+        max_tokens=4,
+        temperature=0,
+        extra_body={
+            "continue_final_message": True,
+            "add_generation_prompt": False,
+            "ignore_eos": True,
+        },
+    )
+    with_new_turn = prompt_tokens(server, messages=messages, add_generation_prompt=True)
+    # Continuing leaves the assistant message open: no end-of-turn, no new assistant header.
+    assert out.usage.prompt_tokens < with_new_turn
+    assert out.usage.completion_tokens == 4
+
+
+def test_n_streams_every_choice_to_its_end(client):
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=USER,
+            n=2,
+            max_tokens=6,
+            temperature=1.0,
+            seed=3,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+    )
+    finished = {
+        c.choices[0].index: c.choices[0].finish_reason
+        for c in chunks
+        if c.choices and c.choices[0].finish_reason
+    }
+    assert finished == {0: "length", 1: "length"}
+    texts = [
+        "".join(
+            c.choices[0].delta.content or ""
+            for c in chunks
+            if c.choices and c.choices[0].index == i
+        )
+        for i in (0, 1)
+    ]
+    full = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=USER,
+        n=2,
+        max_tokens=6,
+        temperature=1.0,
+        seed=3,
+        extra_body={"ignore_eos": True},
+    )
+    assert texts == [c.message.content for c in sorted(full.choices, key=lambda c: c.index)]
+
+
+def test_stop_token_ids_and_logit_bias(client, server):
+    forced = httpx.post(server.base_url + "/tokenize", json={"prompt": " blue"}).json()["tokens"]
+    token = forced[-1]
+    out = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=USER,
+        max_tokens=5,
+        temperature=0,
+        logit_bias={str(token): 100},
+        extra_body={"ignore_eos": True},
+    )
+    text = httpx.post(server.base_url + "/detokenize", json={"tokens": [token]}).json()["prompt"]
+    assert out.choices[0].message.content == text * 5
+    stopped = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=USER,
+        max_tokens=5,
+        temperature=0,
+        logit_bias={str(token): 100},
+        extra_body={"stop_token_ids": [token]},
+    )
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.usage.completion_tokens == 1
+    assert stopped.choices[0].model_extra["stop_reason"] == token
+
+
+def test_frequency_penalty_changes_greedy_output(client):
+    plain = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=USER,
+        max_tokens=30,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    penalised = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=USER,
+        max_tokens=30,
+        temperature=0,
+        frequency_penalty=2.0,
+        extra_body={"ignore_eos": True},
+    )
+    assert plain.choices[0].message.content != penalised.choices[0].message.content
+
+
+def test_non_streaming_client_that_gives_up_frees_its_blocks(server):
+    body = {"model": MODEL_NAME, "messages": USER, "max_tokens": 450, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.api_url + "/chat/completions", json=body, timeout=0.3)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        memory = httpx.get(server.base_url + "/memory").json()
+        if memory["kv_cache"]["blocks_used"] == 0:
+            break
+        time.sleep(0.05)
+    assert memory["kv_cache"]["blocks_used"] == 0
+    assert memory["requests"]["running"] == 0
+
+
+def test_request_timeout_and_always_include_usage(qwen3_dir, tmp_path):
+    server = start_server(
+        qwen3_dir, tmp_path / "server.log", "--request-timeout", "0.15", "--always-include-usage"
+    )
+    try:
+        body = {"model": MODEL_NAME, "messages": USER, "max_tokens": 480, "ignore_eos": True}
+        response = httpx.post(server.api_url + "/chat/completions", json=body, timeout=30)
+        assert response.status_code == 408
+        assert "timed out" in response.json()["error"]["message"]
+        body = {"model": MODEL_NAME, "messages": USER, "max_tokens": 2, "stream": True}
+        with httpx.stream(
+            "POST", server.api_url + "/chat/completions", json=body, timeout=30
+        ) as streamed:
+            lines = [line for line in streamed.iter_lines() if line.startswith("data: {")]
+        assert '"usage":{"prompt_tokens"' in lines[-1], "usage chunk without asking for it"
+    finally:
+        assert stop_server(server) == 0, server.log()
