@@ -126,8 +126,9 @@ def b1_bytes_per_token(model: torch.nn.Module, context_len: int) -> int:
     """Bytes a batch-1 decode step must read: every weight but the embedding table (one row of
     it), plus the KV cache of the context."""
     config = model.config
-    weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
-                  if "embed_tokens" not in n)
+    weights = sum(
+        p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n
+    )
     embedding_row = config.hidden_size * 4
     head_dim = config.hidden_size // config.num_attention_heads
     kv = 2 * config.num_hidden_layers * context_len * config.num_key_value_heads * head_dim * 4
@@ -216,8 +217,17 @@ def main() -> None:
     out = ROOT / "results" / f"offline_cpu-{result['date']}.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps({"tokens_per_s_median": med, "ratios": result["ratios"],
-                      "copy_bandwidth_gb_s": bandwidth, "b1_roofline": roofline}, indent=2))
+    print(
+        json.dumps(
+            {
+                "tokens_per_s_median": med,
+                "ratios": result["ratios"],
+                "copy_bandwidth_gb_s": bandwidth,
+                "b1_roofline": roofline,
+            },
+            indent=2,
+        )
+    )
     print(f"wrote {out}")
 
 

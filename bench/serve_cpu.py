@@ -39,14 +39,16 @@ NUM_STREAMS, PROMPT_LEN, OUTPUT_LEN = 32, 128, 128
 
 def workload() -> list[list[int]]:
     g = torch.Generator().manual_seed(0)
-    return [torch.randint(10, 4000, (PROMPT_LEN,), generator=g).tolist()
-            for _ in range(NUM_STREAMS)]
+    return [
+        torch.randint(10, 4000, (PROMPT_LEN,), generator=g).tolist() for _ in range(NUM_STREAMS)
+    ]
 
 
 def offline_tokens_per_s(path: Path, prompts: list[list[int]], repeats: int) -> list[float]:
     # No prefix caching on either side: every run computes its prompts.
-    llm = LLM(model_from_path=str(path), dtype="float32", max_seq_len=1024,
-              enable_prefix_caching=False)
+    llm = LLM(
+        model_from_path=str(path), dtype="float32", max_seq_len=1024, enable_prefix_caching=False
+    )
     params = SamplingParams(temperature=0, max_tokens=OUTPUT_LEN, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(max_tokens=2), use_tqdm=False)
     runs = []
@@ -59,8 +61,14 @@ def offline_tokens_per_s(path: Path, prompts: list[list[int]], repeats: int) -> 
 
 
 async def one_stream(client: httpx.AsyncClient, prompt: list[int]) -> int:
-    body = {"prompt": prompt, "max_tokens": OUTPUT_LEN, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "prompt": prompt,
+        "max_tokens": OUTPUT_LEN,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     tokens = 0
     async with client.stream("POST", "/v1/completions", json=body) as response:
         async for line in response.aiter_lines():
@@ -83,8 +91,21 @@ def server_tokens_per_s(path: Path, prompts: list[list[int]], repeats: int) -> l
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "metrale", "serve", "--model-from-path", str(path), "--port",
-           str(port), "--dtype", "float32", "--max-seq-len", "1024", "--no-prefix-caching"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "metrale",
+        "serve",
+        "--model-from-path",
+        str(path),
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--max-seq-len",
+        "1024",
+        "--no-prefix-caching",
+    ]
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base_url = f"http://127.0.0.1:{port}"
     try:
@@ -114,8 +135,9 @@ def main() -> None:
     result = {
         "benchmark": "serve_cpu",
         "date": datetime.date.today().isoformat(),
-        "git_sha": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                  text=True, cwd=ROOT).stdout.strip(),
+        "git_sha": subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
+        ).stdout.strip(),
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
         "versions": {"torch": torch.__version__, "python": platform.python_version()},
         "workload": {"streams": NUM_STREAMS, "prompt_len": PROMPT_LEN, "output_len": OUTPUT_LEN},
@@ -126,8 +148,11 @@ def main() -> None:
     }
     out = ROOT / "results" / f"serve_cpu-{result['date']}.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps({"median": result["median"],
-                      "server_vs_offline": result["server_vs_offline"]}, indent=2))
+    print(
+        json.dumps(
+            {"median": result["median"], "server_vs_offline": result["server_vs_offline"]}, indent=2
+        )
+    )
     print(f"wrote {out}")
 
 
