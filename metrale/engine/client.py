@@ -19,9 +19,9 @@ from pathlib import Path
 import zmq
 import zmq.asyncio
 
-from metrale.engine.core import EngineRequest
 from metrale.engine.core_loop import run_engine_core
 from metrale.engine.messages import (
+    EngineRequest,
     Failed,
     KVCacheStats,
     MessageKind,

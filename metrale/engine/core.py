@@ -8,28 +8,17 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 
 from metrale.engine.block_pool import BlockPool
 from metrale.engine.kv_cache_manager import KVCacheManager
-from metrale.engine.request import EngineOutput, Request
+from metrale.engine.messages import EngineOutput, EngineRequest
+from metrale.engine.request import Request
 from metrale.engine.scheduler import Scheduler
 from metrale.engine_args import EngineConfig
 from metrale.runner.model_loader import load_model
 from metrale.runner.model_runner import ModelRunner
-from metrale.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class EngineRequest:
-    """A request as the engine core receives it: already tokenized and validated."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    arrival_time_s: float
 
 
 class EngineCore:

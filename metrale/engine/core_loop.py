@@ -15,8 +15,10 @@ import traceback
 
 import zmq
 
-from metrale.engine.core import EngineCore, EngineRequest
+from metrale.engine.core import EngineCore
 from metrale.engine.messages import (
+    EngineOutput,
+    EngineRequest,
     Failed,
     KVCacheStats,
     MessageKind,
@@ -25,7 +27,6 @@ from metrale.engine.messages import (
     decode,
     encode,
 )
-from metrale.engine.request import EngineOutput
 from metrale.engine_args import EngineConfig
 
 logger = logging.getLogger(__name__)

@@ -1,19 +1,17 @@
 """Every message between the API process and the engine-core process, in one module.
 
-Messages are msgspec-encoded (msgpack) and framed as [kind, payload] ZMQ multipart messages;
-the kind tells the receiver which type to decode the payload into. Requests and outputs reuse
-the engine's own dataclasses, so nothing is converted on either side.
+Messages are `msgspec.Struct`s, msgpack-encoded and framed as [kind, payload] ZMQ multipart
+messages; the kind tells the receiver which type to decode the payload into. The engine uses
+these same types internally, so nothing is converted on either side.
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
 
 import msgspec
 
-from metrale.engine.core import EngineRequest
-from metrale.engine.request import EngineOutput
+from metrale.sampling_params import SamplingParams
 
 
 class MessageKind(bytes, enum.Enum):
@@ -27,8 +25,45 @@ class MessageKind(bytes, enum.Enum):
     FAILED = b"failed"
 
 
-@dataclass(frozen=True)
-class KVCacheStats:
+class FinishReason(enum.Enum):
+    STOP = "stop"  # an EOS or stop token
+    LENGTH = "length"  # max_tokens or max_seq_len reached
+    ABORT = "abort"  # the client went away or asked to cancel
+
+
+class EngineRequest(msgspec.Struct, frozen=True):
+    """A request as the engine core receives it: already tokenized and validated."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time_s: float
+
+
+class TokenLogprobs(msgspec.Struct, array_like=True):
+    """Log-probabilities at one output position: the sampled token's, and the top N."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 = the most likely token
+    top: list[tuple[int, float]]
+
+
+class EngineOutput(msgspec.Struct, frozen=True, array_like=True):
+    """What one step produced for one request: new tokens, and whether it ended."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs]
+    finish_reason: FinishReason | None
+    num_cached_tokens: int
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class KVCacheStats(msgspec.Struct, frozen=True):
     """The KV pool as the engine last saw it; read by `/memory`."""
 
     num_blocks: int
@@ -47,13 +82,11 @@ class KVCacheStats:
         return self.num_used_blocks / self.num_blocks
 
 
-@dataclass(frozen=True)
-class Ready:
+class Ready(msgspec.Struct, frozen=True):
     kv_cache: KVCacheStats
 
 
-@dataclass(frozen=True)
-class Outputs:
+class Outputs(msgspec.Struct, frozen=True):
     """The outputs of one or more engine steps, and the pool's state after them.
 
     `rejected` lists (request_id, message) for requests the engine refused; they never ran.
@@ -64,8 +97,7 @@ class Outputs:
     rejected: list[tuple[str, str]]
 
 
-@dataclass(frozen=True)
-class Failed:
+class Failed(msgspec.Struct, frozen=True):
     """The engine core hit an error it cannot recover from and is exiting."""
 
     message: str

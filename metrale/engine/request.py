@@ -12,6 +12,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from metrale.engine.messages import FinishReason, TokenLogprobs
 from metrale.sampling_params import SamplingParams
 
 
@@ -20,22 +21,6 @@ class RequestStatus(enum.Enum):
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED = "finished"
-
-
-class FinishReason(enum.Enum):
-    STOP = "stop"  # an EOS or stop token
-    LENGTH = "length"  # max_tokens or max_seq_len reached
-    ABORT = "abort"  # the client went away or asked to cancel
-
-
-@dataclass
-class TokenLogprobs:
-    """Log-probabilities at one output position: the sampled token's, and the top N."""
-
-    token_id: int
-    logprob: float
-    rank: int  # 1 = the most likely token
-    top: list[tuple[int, float]]
 
 
 @dataclass
@@ -76,18 +61,3 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
-
-
-@dataclass(frozen=True)
-class EngineOutput:
-    """What one step produced for one request: new tokens, and whether it ended."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[TokenLogprobs]
-    finish_reason: FinishReason | None
-    num_cached_tokens: int
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None

@@ -13,12 +13,8 @@ from collections import deque
 
 from metrale.config import SchedulerConfig
 from metrale.engine.kv_cache_manager import KVCacheManager
-from metrale.engine.request import (
-    EngineOutput,
-    FinishReason,
-    Request,
-    RequestStatus,
-)
+from metrale.engine.messages import EngineOutput, FinishReason
+from metrale.engine.request import Request, RequestStatus
 from metrale.engine.step import ModelRunnerOutput, ScheduledChunk, SchedulerOutput, TokenHistory
 
 

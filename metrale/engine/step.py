@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from metrale.engine.request import TokenLogprobs
+from metrale.engine.messages import TokenLogprobs
 from metrale.sampling_params import SamplingParams
 
 

@@ -7,6 +7,7 @@ import itertools
 import logging
 from collections.abc import Sequence
 
+import msgspec
 from tqdm import tqdm
 
 from metrale import demo
@@ -83,7 +84,7 @@ class LLM:
             text, engine_request = self._inputs.process(request_id, prompt, params)
             children = []
             for child_id, child_params in _fan_out(request_id, params):
-                child = dataclasses.replace(
+                child = msgspec.structs.replace(
                     engine_request, request_id=child_id, sampling_params=child_params
                 )
                 self.engine.validate(child)

@@ -14,7 +14,7 @@ import logging
 from collections.abc import AsyncIterator
 
 from metrale.engine.client import EngineClient, EngineDeadError
-from metrale.engine.core import EngineRequest
+from metrale.engine.messages import EngineRequest
 from metrale.frontend.output_processor import CompletionDelta, OutputProcessor
 from metrale.tokenizer import Tokenizer
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from metrale.engine.core import EngineRequest
+from metrale.engine.messages import EngineRequest
 from metrale.sampling_params import SamplingParams
 from metrale.tokenizer import Tokenizer
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from metrale.engine.request import EngineOutput, FinishReason, TokenLogprobs
+from metrale.engine.messages import EngineOutput, FinishReason, TokenLogprobs
 from metrale.frontend.stop_strings import StopStringMatcher
 from metrale.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from metrale.sampling_params import SamplingParams

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from metrale.config import CacheConfig, ModelConfig, SchedulerConfig
-from metrale.engine.request import TokenLogprobs
+from metrale.engine.messages import TokenLogprobs
 from metrale.engine.step import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 from metrale.layers.attention import AttentionMetadata
 from metrale.runner.input_buffers import InputBuffers

@@ -20,7 +20,8 @@ from typing import TypeVar
 from fastapi import Request
 
 from metrale.engine.client import EngineDeadError
-from metrale.engine.core import EngineRequest, validate_request
+from metrale.engine.core import validate_request
+from metrale.engine.messages import EngineRequest
 from metrale.frontend.async_llm import RequestRejectedError
 from metrale.frontend.output_processor import CompletionDelta
 from metrale.outputs import PositionLogprobs

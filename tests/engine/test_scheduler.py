@@ -7,7 +7,8 @@ import pytest
 from metrale.config import SchedulerConfig
 from metrale.engine.block_pool import BlockPool
 from metrale.engine.kv_cache_manager import KVCacheManager
-from metrale.engine.request import FinishReason, Request
+from metrale.engine.messages import FinishReason
+from metrale.engine.request import Request
 from metrale.engine.scheduler import Scheduler
 from metrale.sampling_params import SamplingParams
 from tests.engine.fake_runner import FakeRunner, scripted_token

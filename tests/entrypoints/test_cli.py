@@ -41,10 +41,12 @@ def test_bad_flag_value_is_a_clear_error_not_a_traceback(qwen3_dir, capsys):
 
 def test_help_explains_every_flag():
     parser = build_parser()
-    sub = parser._subparsers._group_actions[0].choices["generate"]
-    for action in sub._actions:
-        if action.option_strings and action.dest != "help":
-            assert action.help, f"{action.option_strings} has no help text"
+    subcommands = parser._subparsers._group_actions[0].choices
+    assert {"generate", "serve"} <= set(subcommands)
+    for name, sub in subcommands.items():
+        for action in sub._actions:
+            if action.dest != "help":
+                assert action.help, f"met {name} {action.option_strings or action.dest}: no help"
     result = subprocess.run(
         [sys.executable, "-m", "metrale", "--help"], capture_output=True, text=True, check=True
     )

@@ -38,6 +38,12 @@ def test_chat_template_kwargs_reach_the_template(client, server):
     )
 
 
+def test_developer_role_is_the_system_turn(server):
+    as_developer = [{"role": "developer", "content": "Be brief."}, *USER]
+    as_system = [{"role": "system", "content": "Be brief."}, *USER]
+    assert prompt_tokens(server, messages=as_developer) == prompt_tokens(server, messages=as_system)
+
+
 def test_continue_final_message_extends_the_assistant_turn(client, server):
     messages = [*USER, {"role": "assistant", "content": "Red, green and"}]
     out = client.chat.completions.create(

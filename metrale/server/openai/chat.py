@@ -56,6 +56,9 @@ def render_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
                 # malformed one (a model's past mistake) is passed on as given.
                 with contextlib.suppress(json.JSONDecodeError):
                     call["function"]["arguments"] = json.loads(arguments)
+        if item["role"] == "developer":
+            # OpenAI's newer name for the system turn; chat templates know only "system".
+            item["role"] = "system"
         if "reasoning" in item and "reasoning_content" not in item:
             item["reasoning_content"] = item.pop("reasoning")
         rendered.append(item)
