@@ -153,11 +153,17 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """The paged KV pool: `num_blocks` blocks of `block_size` tokens each, for every layer."""
+    """The paged KV pool: `num_blocks` blocks of `block_size` tokens each, for every layer.
+
+    On a GPU without `--num-kv-blocks`, `num_blocks` is None until the engine has loaded the
+    model and profiled a forward: the pool then takes `gpu_memory_utilization` of the device
+    memory, less the weights and the activations' peak.
+    """
 
     block_size: int
-    num_blocks: int
+    num_blocks: int | None
     enable_prefix_caching: bool
+    gpu_memory_utilization: float = 0.9
 
     @staticmethod
     def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

@@ -18,6 +18,7 @@ import torch
 from metrale.checkpoint.resolve import resolve_model_dir
 from metrale.config import CacheConfig, ModelConfig, SchedulerConfig, parse_dtype
 from metrale.generation_config import GenerationDefaults
+from metrale.layers.attention import resolve_backend
 
 _SIZE_UNITS = {
     "": 1,
@@ -60,6 +61,8 @@ class EngineConfig:
     scheduler: SchedulerConfig
     chat_template: Path | None
     is_demo: bool
+    attention_backend: str = "torch"
+    max_cuda_graph_batch: int = 0  # 0: no CUDA graphs
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -84,6 +87,10 @@ class EngineArgs:
     num_kv_blocks: int | None = None
     enable_prefix_caching: bool = True
     chat_template: str | None = None
+    attention_backend: str = "auto"
+    gpu_memory_utilization: float = 0.9
+    max_cuda_graph_batch: int = 256
+    enforce_eager: bool = False
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -115,6 +122,22 @@ class EngineArgs:
             "--chat-template",
             metavar="FILE",
             help="a Jinja chat template that replaces the checkpoint's",
+        )
+        g.add_argument(
+            "--attention-backend",
+            default=d.attention_backend,
+            choices=["auto", "torch", "triton"],
+            help="attention kernels: triton (paged, GPU) or torch (reference, any device); "
+            "auto picks triton on a GPU",
+        )
+        g.add_argument(
+            "--max-cuda-graph-batch",
+            type=int,
+            default=d.max_cuda_graph_batch,
+            help="capture decode steps in CUDA graphs up to this batch size (GPU)",
+        )
+        g.add_argument(
+            "--enforce-eager", action="store_true", help="no CUDA graphs: run every step eagerly"
         )
         g = parser.add_argument_group("scheduling")
         g.add_argument(
@@ -150,7 +173,16 @@ class EngineArgs:
             "--block-size", type=int, default=d.block_size, help="tokens per KV-cache block"
         )
         g.add_argument(
-            "--kv-cache-memory", default=d.kv_cache_memory, help="memory for the KV pool, e.g. 4GiB"
+            "--kv-cache-memory",
+            default=d.kv_cache_memory,
+            help="memory for the KV pool on CPU, e.g. 4GiB (GPU: --gpu-memory-utilization)",
+        )
+        g.add_argument(
+            "--gpu-memory-utilization",
+            type=float,
+            default=d.gpu_memory_utilization,
+            help="share of the GPU's memory the engine may use; the KV pool takes what the "
+            "weights and activations leave",
         )
         g.add_argument(
             "--num-kv-blocks",
@@ -205,13 +237,20 @@ class EngineArgs:
             or self.max_prefill_tokens + max_batch_size,
             max_seq_len=max_seq_len,
         )
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization={self.gpu_memory_utilization} is out of range: "
+                f"must be in (0, 1]"
+            )
+        num_blocks = self.num_kv_blocks
+        if num_blocks is None and device.type != "cuda":
+            budget = parse_bytes(self.kv_cache_memory)
+            num_blocks = _num_blocks_for(budget, model_config, self.block_size, dtype)
         cache = CacheConfig(
             block_size=self.block_size,
-            num_blocks=self.num_kv_blocks
-            or _num_blocks_for(
-                parse_bytes(self.kv_cache_memory), model_config, self.block_size, dtype
-            ),
+            num_blocks=num_blocks,
             enable_prefix_caching=self.enable_prefix_caching,
+            gpu_memory_utilization=self.gpu_memory_utilization,
         )
         return EngineConfig(
             model_dir=model_dir,
@@ -226,6 +265,10 @@ class EngineArgs:
             scheduler=scheduler,
             chat_template=Path(self.chat_template) if self.chat_template else None,
             is_demo=is_demo,
+            attention_backend=resolve_backend(self.attention_backend, device),
+            max_cuda_graph_batch=0
+            if self.enforce_eager or device.type != "cuda"
+            else self.max_cuda_graph_batch,
         )
 
 

@@ -9,6 +9,7 @@ FAILED) and from then on raises `EngineDeadError` rather than waiting forever.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import multiprocessing
 import shutil
 import tempfile
@@ -94,6 +95,10 @@ class EngineClient:
             await client.shutdown()
             raise
         client.kv_cache = ready.kv_cache
+        # On a GPU the engine sized its pool after loading; validation here needs the size.
+        client.config = dataclasses.replace(
+            config, cache=dataclasses.replace(config.cache, num_blocks=ready.kv_cache.num_blocks)
+        )
         return client
 
     async def _wait_ready(self) -> Ready:

@@ -6,6 +6,7 @@ parameters, and each `step()` returns the new tokens of every request that advan
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -15,6 +16,7 @@ from metrale.engine.messages import EngineOutput, EngineRequest
 from metrale.engine.request import Request
 from metrale.engine.scheduler import Scheduler
 from metrale.engine_args import EngineConfig
+from metrale.runner.gpu_memory import kv_blocks_for_gpu
 from metrale.runner.model_loader import load_model
 from metrale.runner.model_runner import ModelRunner
 
@@ -39,8 +41,20 @@ class EngineCore:
             seed=config.seed,
             progress=progress,
         )
+        if config.cache.num_blocks is None:
+            num_blocks = kv_blocks_for_gpu(model, config)
+            config = dataclasses.replace(
+                config, cache=dataclasses.replace(config.cache, num_blocks=num_blocks)
+            )
         runner = ModelRunner(
-            model, config.model, config.cache, config.scheduler, config.dtype, config.device
+            model,
+            config.model,
+            config.cache,
+            config.scheduler,
+            config.dtype,
+            config.device,
+            attention_backend=config.attention_backend,
+            max_cuda_graph_batch=config.max_cuda_graph_batch,
         )
         pool = BlockPool(config.cache.num_blocks, config.cache.enable_prefix_caching)
         scheduler = Scheduler(config.scheduler, KVCacheManager(pool, config.cache.block_size))

@@ -39,6 +39,7 @@ class InputBuffers:
         self.positions = InputBuffer((max_num_tokens,), torch.int64, device)
         self.slot_mapping = InputBuffer((max_num_tokens,), torch.int64, device)
         self.start_positions = InputBuffer((max_num_seqs,), torch.int64, device)
+        self.seq_lens = InputBuffer((max_num_seqs,), torch.int64, device)
         self.query_start_loc = InputBuffer((max_num_seqs + 1,), torch.int64, device)
         self.block_tables = InputBuffer((max_num_seqs, max_blocks_per_seq), torch.int64, device)
         self.logits_indices = InputBuffer((max_num_seqs,), torch.int64, device)

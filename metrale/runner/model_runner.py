@@ -15,7 +15,8 @@ from torch import nn
 from metrale.config import CacheConfig, ModelConfig, SchedulerConfig
 from metrale.engine.messages import TokenLogprobs
 from metrale.engine.step import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
-from metrale.layers.attention import AttentionMetadata
+from metrale.layers.attention import AttentionMetadata, StepBatch, metadata_builder
+from metrale.runner.cuda_graphs import DecodeGraphs
 from metrale.runner.input_buffers import InputBuffers
 from metrale.runner.sampler import LogitBias, Penalties, SamplerOutput, SamplingMetadata, sample
 from metrale.sampling_params import SamplingParams
@@ -30,6 +31,8 @@ class ModelRunner:
         scheduler_config: SchedulerConfig,
         dtype: torch.dtype,
         device: torch.device,
+        attention_backend: str = "torch",
+        max_cuda_graph_batch: int = 0,
     ) -> None:
         self.model = model
         self.model_config = model_config
@@ -44,6 +47,14 @@ class ModelRunner:
             device,
         )
         self._generators: dict[str, torch.Generator] = {}
+        self._num_samples = 0
+        self.build_metadata = metadata_builder(attention_backend)
+        self.graphs: DecodeGraphs | None = None
+        if max_cuda_graph_batch > 0:
+            self.graphs = DecodeGraphs(
+                self, min(max_cuda_graph_batch, scheduler_config.max_batch_size)
+            )
+            self.graphs.capture()
 
     @staticmethod
     def _allocate_kv_cache(
@@ -70,23 +81,33 @@ class ModelRunner:
             self._generators.pop(request_id, None)
         if scheduled.is_empty:
             return ModelRunnerOutput([], [])
-        input_ids, positions, meta, logits_indices = self._prepare_inputs(scheduled.chunks)
-        hidden = self.model(input_ids, positions, meta)  # [num_tokens, hidden_size]
-        sampling_chunks = [c for c in scheduled.chunks if c.samples]
-        if not sampling_chunks:
-            return ModelRunnerOutput([], [])
-        logits = self.model.compute_logits(hidden[logits_indices]).float()
-        result = sample(logits, self._sampling_metadata(sampling_chunks))
+        chunks = scheduled.chunks
+        sampling_chunks = [c for c in chunks if c.samples]
+        graph = self.graphs.graph_for(chunks) if self.graphs is not None else None
+        if graph is not None:
+            self._fill_inputs(chunks, padded_num_seqs=graph.num_seqs)
+            logits = graph.replay()[: len(chunks)]
+        else:
+            input_ids, positions, meta, logits_indices = self._prepare_inputs(chunks)
+            hidden = self.model(input_ids, positions, meta)  # [num_tokens, hidden_size]
+            if not sampling_chunks:
+                return ModelRunnerOutput([], [])
+            logits = self.model.compute_logits(hidden[logits_indices])
+        result = sample(logits.float(), self._sampling_metadata(sampling_chunks))
         return self._to_host(result, sampling_chunks)
 
-    def _prepare_inputs(
-        self, chunks: list[ScheduledChunk]
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+    def _fill_inputs(self, chunks: list[ScheduledChunk], padded_num_seqs: int = 0) -> StepBatch:
+        """Lay the chunks end to end in the input buffers; copy them to the device.
+
+        With `padded_num_seqs` (a CUDA-graph batch of one token per sequence), rows past the
+        real ones are padding: they store nothing and attend to one token of block 0.
+        """
         b = self.buffers
         bs = self.block_size
         num_tokens = 0
         num_seqs = len(chunks)
         max_blocks = 0
+        max_query_len = 0
         num_samples = 0
         b.query_start_loc.np[0] = 0
         for i, chunk in enumerate(chunks):
@@ -99,24 +120,54 @@ class ModelRunner:
             b.slot_mapping.np[num_tokens:end] = block_ids[pos // bs] * bs + pos % bs
             b.block_tables.np[i, : len(block_ids)] = block_ids
             b.start_positions.np[i] = chunk.start_pos
+            b.seq_lens.np[i] = chunk.start_pos + n
             b.query_start_loc.np[i + 1] = end
             if chunk.samples:
                 b.logits_indices.np[num_samples] = end - 1
                 num_samples += 1
             num_tokens = end
             max_blocks = max(max_blocks, len(block_ids))
-
-        meta = AttentionMetadata.build(
+            max_query_len = max(max_query_len, n)
+        self._num_samples = num_samples
+        if padded_num_seqs:
+            pad = slice(num_seqs, padded_num_seqs)
+            b.input_ids.np[pad] = 0
+            b.positions.np[pad] = 0
+            b.slot_mapping.np[pad] = -1
+            b.block_tables.np[pad] = 0
+            b.seq_lens.np[pad] = 1
+            b.query_start_loc.np[num_seqs + 1 : padded_num_seqs + 1] = np.arange(
+                num_seqs + 1, padded_num_seqs + 1
+            )
+            num_tokens = num_seqs = padded_num_seqs
+            max_blocks = b.block_tables.np.shape[1]
+            max_query_len = 1
+        b.input_ids.copy_to_device(num_tokens)
+        b.positions.copy_to_device(num_tokens)
+        return StepBatch(
             slot_mapping=b.slot_mapping.copy_to_device(num_tokens),
             block_tables=b.block_tables.copy_to_device(num_seqs)[:, :max_blocks],
-            query_start_loc=b.query_start_loc.np[: num_seqs + 1],
-            start_positions=b.start_positions.np[:num_seqs],
+            seq_lens=b.seq_lens.copy_to_device(num_seqs),
+            query_start_loc=b.query_start_loc.copy_to_device(num_seqs + 1),
+            query_start_loc_host=b.query_start_loc.np[: num_seqs + 1],
+            start_positions_host=b.start_positions.np[:num_seqs],
+            max_query_len=max_query_len,
             block_size=bs,
             sliding_window=self.model_config.sliding_window,
         )
-        input_ids = b.input_ids.copy_to_device(num_tokens)
-        positions = b.positions.copy_to_device(num_tokens)
-        return input_ids, positions, meta, b.logits_indices.copy_to_device(num_samples)
+
+    def _prepare_inputs(
+        self, chunks: list[ScheduledChunk]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        batch = self._fill_inputs(chunks)
+        num_tokens = batch.slot_mapping.shape[0]
+        b = self.buffers
+        return (
+            b.input_ids.device[:num_tokens],
+            b.positions.device[:num_tokens],
+            self.build_metadata(batch),
+            b.logits_indices.copy_to_device(self._num_samples),
+        )
 
     def _sampling_metadata(self, chunks: list[ScheduledChunk]) -> SamplingMetadata:
         params = [c.sampling_params for c in chunks]

@@ -111,6 +111,7 @@ async def _serve(args: argparse.Namespace) -> int:
         if config.load_format == "safetensors":
             preflight(model_dir, model_cls.checkpoint_shapes(ModelConfig.from_dir(model_dir)))
         client = await EngineClient.start(config, in_process=args.engine_in_thread)
+        config = client.config  # with the KV pool size the engine settled on
     try:
         with phase("tokenizer and template"):
             tokenizer = Tokenizer.from_dir(

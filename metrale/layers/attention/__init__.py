@@ -1,0 +1,91 @@
+"""Attention over the paged KV cache.
+
+The runner describes each step once (`StepBatch`), and the chosen backend turns it into its
+own metadata, which the model hands down to every layer as an argument. The metadata knows how
+to attend (`meta.attend(layer, q, k, v)`): each layer first writes the step's keys and values
+into their cache slots, then attends over the cache, so prefix-cache hits, chunked prefill and
+decode are one code path.
+
+Backends: `torch` (scaled_dot_product_attention over gathered blocks; runs anywhere, the
+reference) and `triton` (paged kernels; GPUs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """The flat batch of one step, as every attention backend needs it."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] cache slot of each token; < 0: padding, skip
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] padded with block 0
+    seq_lens: torch.Tensor  # [num_seqs] tokens in the cache once this step is stored
+    query_start_loc: torch.Tensor  # [num_seqs + 1] each sequence's first row in the batch
+    query_start_loc_host: np.ndarray  # the same, on the host
+    start_positions_host: np.ndarray  # [num_seqs] computed tokens before the step
+    max_query_len: int
+    block_size: int
+    sliding_window: int | None
+
+
+class AttentionMetadata(Protocol):
+    def attend(
+        self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor: ...
+
+
+class Attention(nn.Module):
+    """Multi-head attention with grouped KV heads over one layer's slice of the KV pool."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def bind_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        # each: [num_blocks, block_size, num_kv_heads, head_dim]
+        self.k_cache, self.v_cache = k_cache, v_cache
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
+        return meta.attend(self, q, k, v)
+
+
+MetadataBuilder = Callable[[StepBatch], AttentionMetadata]
+
+
+def metadata_builder(backend: str) -> MetadataBuilder:
+    """The metadata constructor of a backend, chosen once at startup."""
+    if backend == "torch":
+        from metrale.layers.attention.torch_backend import TorchAttentionMetadata
+
+        return TorchAttentionMetadata.build
+    if backend == "triton":
+        from metrale.layers.attention.triton_backend import TritonAttentionMetadata
+
+        return TritonAttentionMetadata.build
+    raise ValueError(f"attention_backend={backend!r}: use torch, triton or auto")
+
+
+def resolve_backend(name: str, device: torch.device) -> str:
+    if name == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    if name == "triton" and device.type != "cuda":
+        raise ValueError(
+            "attention_backend=triton needs a CUDA device: use --attention-backend torch on CPU"
+        )
+    return name

@@ -1,0 +1,141 @@
+"""The `torch` attention backend: a reference that runs anywhere (CPU and tests).
+
+It gathers each request's blocks into a [batch, context] view and calls
+`scaled_dot_product_attention`: all decode tokens of the step in one call, each prefill chunk in
+its own (padding one-token queries to the length of a prompt chunk would multiply the work of
+every decode in a mixed step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from metrale.layers.attention import Attention, StepBatch
+
+
+@dataclass(frozen=True)
+class DecodeGroup:
+    """Requests that compute one token each this step, attended together in one call."""
+
+    token_idx: torch.Tensor  # [num_seqs] their rows in the flat batch
+    block_ids: torch.Tensor  # [num_seqs * max_blocks] their block tables, padded, flattened
+    mask: torch.Tensor  # [num_seqs, 1, 1, max_blocks * block_size] bool: keys each may see
+    num_seqs: int
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    """One request computing several tokens, rows `start:end` of the flat batch."""
+
+    start: int
+    end: int
+    block_ids: torch.Tensor  # [num_blocks]
+    mask: torch.Tensor | None  # [1, 1, num_tokens, num_blocks * block_size]; None: causal
+
+
+@dataclass(frozen=True)
+class TorchAttentionMetadata:
+    """Where this step's keys go, and which cached keys each query token sees."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] cache slot (block_id * block_size + offset)
+    decode: DecodeGroup | None
+    prefills: list[PrefillChunk]
+
+    @classmethod
+    def build(cls, batch: StepBatch) -> TorchAttentionMetadata:
+        slot_mapping, block_tables = batch.slot_mapping, batch.block_tables
+        query_start_loc, start_positions = batch.query_start_loc_host, batch.start_positions_host
+        block_size, sliding_window = batch.block_size, batch.sliding_window
+        device = slot_mapping.device
+        query_lens = np.diff(query_start_loc)
+        seq_lens = start_positions + query_lens
+        decode_seqs = np.flatnonzero(query_lens == 1)
+        decode = None
+        if len(decode_seqs):
+            num_blocks = int(-(-seq_lens[decode_seqs].max() // block_size))
+            rows = torch.from_numpy(decode_seqs).to(device)
+            positions = torch.from_numpy(start_positions[decode_seqs]).to(device)
+            keys = torch.arange(num_blocks * block_size, device=device)
+            mask = _visible(keys[None, :], positions[:, None], sliding_window)
+            decode = DecodeGroup(
+                token_idx=torch.from_numpy(query_start_loc[decode_seqs]).to(device),
+                block_ids=block_tables[rows, :num_blocks].flatten(),
+                mask=mask[:, None, None, :],
+                num_seqs=len(decode_seqs),
+            )
+        prefills = []
+        for seq in np.flatnonzero(query_lens > 1):
+            start_pos, seq_len = int(start_positions[seq]), int(seq_lens[seq])
+            num_blocks = -(-seq_len // block_size)
+            mask = None
+            if start_pos > 0 or (sliding_window is not None and seq_len > sliding_window):
+                queries = torch.arange(start_pos, seq_len, device=device)
+                keys = torch.arange(num_blocks * block_size, device=device)
+                mask = _visible(keys[None, :], queries[:, None], sliding_window)[None, None]
+            prefills.append(
+                PrefillChunk(
+                    int(query_start_loc[seq]),
+                    int(query_start_loc[seq + 1]),
+                    block_tables[seq, :num_blocks],
+                    mask,
+                )
+            )
+        return cls(slot_mapping, decode, prefills)
+
+    def attend(
+        self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
+        slots = (-1, layer.num_kv_heads, layer.head_dim)
+        layer.k_cache.view(slots).index_copy_(0, self.slot_mapping, k)
+        layer.v_cache.view(slots).index_copy_(0, self.slot_mapping, v)
+        d = self.decode
+        if d is not None and not self.prefills:  # decode only: rows already in order
+            return _attend(layer, q.unsqueeze(1), d.block_ids, d.num_seqs, d.mask).squeeze(1)
+        out = torch.empty_like(q)
+        if d is not None:
+            out[d.token_idx] = _attend(
+                layer, q[d.token_idx].unsqueeze(1), d.block_ids, d.num_seqs, d.mask
+            ).squeeze(1)
+        for p in self.prefills:
+            out[p.start : p.end] = _attend(
+                layer, q[p.start : p.end].unsqueeze(0), p.block_ids, 1, p.mask
+            ).squeeze(0)
+        return out
+
+
+def _visible(
+    key_pos: torch.Tensor, query_pos: torch.Tensor, sliding_window: int | None
+) -> torch.Tensor:
+    """Causal (and sliding-window) visibility of keys to queries, by absolute position."""
+    mask = key_pos <= query_pos
+    if sliding_window is not None:
+        mask &= key_pos > query_pos - sliding_window
+    return mask
+
+
+def _attend(
+    layer: Attention,
+    queries: torch.Tensor,
+    block_ids: torch.Tensor,
+    num_seqs: int,
+    mask: torch.Tensor | None,
+) -> torch.Tensor:
+    # queries: [num_seqs, num_queries, num_heads, head_dim] -> the same shape
+    # index_select over the flat block list: several times faster than advanced indexing.
+    context = (num_seqs, -1, layer.num_kv_heads, layer.head_dim)
+    keys = layer.k_cache.index_select(0, block_ids).view(context)
+    values = layer.v_cache.index_select(0, block_ids).view(context)
+    return F.scaled_dot_product_attention(
+        queries.transpose(1, 2),
+        keys.transpose(1, 2),
+        values.transpose(1, 2),
+        attn_mask=mask,
+        is_causal=mask is None,
+        scale=layer.scale,
+        enable_gqa=layer.num_heads != layer.num_kv_heads,
+    ).transpose(1, 2)

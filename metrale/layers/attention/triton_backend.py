@@ -1,0 +1,64 @@
+"""The `triton` attention backend: paged kernels that read the KV pool in place (GPUs).
+
+Its metadata holds device tensors only, built without reading anything back to the host, so a
+decode step can be captured in a CUDA graph and replayed with new contents in the same buffers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from metrale.kernels.kv_store import store_kv
+from metrale.kernels.paged_decode_attention import paged_decode_attention
+from metrale.kernels.paged_prefill_attention import paged_prefill_attention
+from metrale.layers.attention import Attention, StepBatch
+
+
+@dataclass(frozen=True)
+class TritonAttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens]; < 0 skips the store (graph padding)
+    block_tables: torch.Tensor  # [num_seqs, max_blocks]
+    seq_lens: torch.Tensor  # [num_seqs]
+    query_start_loc: torch.Tensor  # [num_seqs + 1]
+    max_query_len: int
+    sliding_window: int | None
+
+    @classmethod
+    def build(cls, batch: StepBatch) -> TritonAttentionMetadata:
+        return cls(
+            batch.slot_mapping,
+            batch.block_tables,
+            batch.seq_lens,
+            batch.query_start_loc,
+            batch.max_query_len,
+            batch.sliding_window,
+        )
+
+    def attend(
+        self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
+        store_kv(k, v, layer.k_cache, layer.v_cache, self.slot_mapping)
+        if self.max_query_len == 1:  # decode only: one row per sequence, in order
+            return paged_decode_attention(
+                q,
+                layer.k_cache,
+                layer.v_cache,
+                self.block_tables,
+                self.seq_lens,
+                layer.scale,
+                self.sliding_window,
+            )
+        return paged_prefill_attention(
+            q,
+            layer.k_cache,
+            layer.v_cache,
+            self.block_tables,
+            self.query_start_loc,
+            self.seq_lens,
+            self.max_query_len,
+            layer.scale,
+            self.sliding_window,
+        )

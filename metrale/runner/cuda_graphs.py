@@ -1,0 +1,93 @@
+"""CUDA graphs of the decode step: the whole forward replayed as one launch.
+
+A decode step (every request computes one token) launches hundreds of small kernels; replaying
+them from a graph removes the launch gaps between them. One graph is captured per padded batch
+size (1, 2, 4, 8, then multiples of 8 up to `--max-cuda-graph-batch`), largest first so that
+all share one memory pool. The graphs read the runner's persistent input buffers, whose
+addresses never change: a replay is "fill the buffers, replay". Rows past the real batch are
+padding that stores nothing (slot -1) and attends to one token of block 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from metrale.engine.step import ScheduledChunk
+
+if TYPE_CHECKING:
+    from metrale.runner.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+def graph_batch_sizes(max_batch: int) -> list[int]:
+    sizes = [s for s in (1, 2, 4) if s < max_batch]
+    sizes += range(8, max_batch + 1, 8)
+    if not sizes or sizes[-1] != max_batch:
+        sizes.append(max_batch)
+    return sorted(set(sizes))
+
+
+@dataclass
+class DecodeGraph:
+    num_seqs: int
+    graph: torch.cuda.CUDAGraph
+    logits: torch.Tensor  # [num_seqs, vocab_size], written by each replay
+
+    def replay(self) -> torch.Tensor:
+        self.graph.replay()
+        return self.logits
+
+
+class DecodeGraphs:
+    def __init__(self, runner: ModelRunner, max_batch: int) -> None:
+        self.runner = runner
+        self.sizes = graph_batch_sizes(max_batch)
+        self.graphs: dict[int, DecodeGraph] = {}
+        self._pool = None
+
+    def graph_for(self, chunks: list[ScheduledChunk]) -> DecodeGraph | None:
+        """The graph that runs this step, if it is a decode step small enough for one."""
+        num_seqs = len(chunks)
+        if num_seqs > self.sizes[-1] or any(c.num_tokens != 1 or not c.samples for c in chunks):
+            return None
+        return self.graphs[next(s for s in self.sizes if s >= num_seqs)]
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        start = time.perf_counter()
+        for num_seqs in reversed(self.sizes):
+            self.graphs[num_seqs] = self._capture(num_seqs)
+        logger.info(
+            "captured %d decode CUDA graphs (batch sizes %s) in %.1f s",
+            len(self.sizes),
+            self.sizes,
+            time.perf_counter() - start,
+        )
+
+    def _capture(self, num_seqs: int) -> DecodeGraph:
+        runner = self.runner
+        batch = runner._fill_inputs([], padded_num_seqs=num_seqs)
+        meta = runner.build_metadata(batch)
+        input_ids = runner.buffers.input_ids.device[:num_seqs]
+        positions = runner.buffers.positions.device[:num_seqs]
+
+        def forward() -> torch.Tensor:
+            return runner.model.compute_logits(runner.model(input_ids, positions, meta))
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):  # compile kernels and settle allocations outside the capture
+                forward()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits = forward()
+        self._pool = graph.pool()
+        return DecodeGraph(num_seqs, graph, logits)

@@ -1,0 +1,23 @@
+"""Kernel tests run on the GPU when there is one, else in Triton's interpreter on small shapes.
+
+TRITON_INTERPRET must be set before any kernel is defined, so it is set here, before the test
+modules import `metrale.kernels`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+
+@pytest.fixture
+def device() -> torch.device:
+    return torch.device("cuda" if ON_GPU else "cpu")
