@@ -40,6 +40,7 @@ class EngineCore:
             load_format=config.load_format,
             seed=config.seed,
             progress=progress,
+            fused_kernels=config.attention_backend == "triton",
         )
         if config.cache.num_blocks is None:
             num_blocks = kv_blocks_for_gpu(model, config)

@@ -8,10 +8,17 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    """`fused`: one Triton kernel (residual add, norm, weight) instead of a chain of torch ops."""
+
+    def __init__(self, hidden_size: int, eps: float, fused: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self._kernel = None
+        if fused:
+            from metrale.kernels.rms_norm import rms_norm
+
+            self._kernel = rms_norm
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
@@ -21,6 +28,8 @@ class RMSNorm(nn.Module):
         Computed in fp32 and cast back before the weight, the order Hugging Face uses, so bf16
         results match the reference bit for bit.
         """
+        if self._kernel is not None:
+            return self._kernel(x, self.weight, self.eps, residual)
         if residual is not None:
             x = x + residual
         residual = x
@@ -28,4 +37,7 @@ class RMSNorm(nn.Module):
         return self.weight * normed.to(x.dtype), residual
 
     def norm(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalize over the last dim of a tensor of any rank (Qwen3's per-head q/k norms)."""
+        if self._kernel is not None:
+            return self._kernel(x.reshape(-1, x.shape[-1]), self.weight, self.eps)[0].view(x.shape)
         return self.forward(x)[0]

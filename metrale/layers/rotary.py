@@ -44,16 +44,21 @@ def _llama3_scale(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """Holds cos and sin for every position up to `max_positions`, computed once in fp32."""
 
-    def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig) -> None:
+    def __init__(
+        self, head_dim: int, max_positions: int, rope: RopeConfig, fused: bool = False
+    ) -> None:
         super().__init__()
+        self.fused = fused
         inv_freq = inverse_frequencies(rope, head_dim)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
         self.register_buffer("cos_cache", emb.cos(), persistent=False)
         self.register_buffer("sin_cache", emb.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> RotaryAngles:
-        """cos and sin at each position, looked up once per step and shared by every layer."""
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> RotaryAngles | FusedRotary:
+        """What rotates q and k this step, looked up once and shared by every layer."""
+        if self.fused:
+            return FusedRotary(self.cos_cache, self.sin_cache, positions)
         cos = self.cos_cache[positions].unsqueeze(1).to(dtype)  # [num_tokens, 1, head_dim]
         sin = self.sin_cache[positions].unsqueeze(1).to(dtype)
         half = sin.shape[-1] // 2
@@ -71,3 +76,20 @@ class RotaryAngles:
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, num_heads, head_dim]
         return x * self.cos + x.roll(x.shape[-1] // 2, dims=-1) * self.signed_sin
+
+    def rotate_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rotate(q), self.rotate(k)
+
+
+@dataclass(frozen=True)
+class FusedRotary:
+    """Rotates q and k in place with one Triton kernel, reading the fp32 tables directly."""
+
+    cos_cache: torch.Tensor  # [max_positions, head_dim] fp32
+    sin_cache: torch.Tensor
+    positions: torch.Tensor  # [num_tokens]
+
+    def rotate_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        from metrale.kernels.rotary import apply_rotary
+
+        return apply_rotary(q, k, self.cos_cache, self.sin_cache, self.positions, q_out=q, k_out=k)

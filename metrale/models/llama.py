@@ -19,7 +19,7 @@ from metrale.config import ModelConfig
 from metrale.layers.activation import silu_and_mul
 from metrale.layers.attention import Attention, AttentionMetadata
 from metrale.layers.layernorm import RMSNorm
-from metrale.layers.rotary import RotaryAngles, RotaryEmbedding
+from metrale.layers.rotary import FusedRotary, RotaryAngles, RotaryEmbedding
 from metrale.models.registry import register_model
 
 # Checkpoint projection -> (fused parameter, index of its shard in the fused matrix).
@@ -33,20 +33,23 @@ _FUSED_SHARDS = {
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, config: ModelConfig, *, qkv_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, config: ModelConfig, *, qkv_bias: bool, qk_norm: bool, fused: bool) -> None:
         super().__init__()
         self.q_size, self.kv_size = config.q_size, config.kv_size
         self.head_dim = config.head_dim
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
-        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if qk_norm else None
+        eps = config.rms_norm_eps
+        self.q_norm = RMSNorm(config.head_dim, eps, fused) if qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, eps, fused) if qk_norm else None
         self.attn = Attention(config.num_heads, config.num_kv_heads, config.head_dim)
 
     def shard_sizes(self, fused: str) -> list[int]:
         return [self.q_size, self.kv_size, self.kv_size]
 
-    def forward(self, rope: RotaryAngles, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, rope: RotaryAngles | FusedRotary, x: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, -1, self.head_dim)
@@ -54,14 +57,19 @@ class DecoderAttention(nn.Module):
         v = v.view(num_tokens, -1, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm.norm(q), self.k_norm.norm(k)
-        q, k = rope.rotate(q), rope.rotate(k)
+        q, k = rope.rotate_qk(q, k)
         out = self.attn(q, k, v, meta)  # [num_tokens, num_heads, head_dim]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
 class DecoderMLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, fused: bool) -> None:
         super().__init__()
+        self.act = silu_and_mul
+        if fused:
+            from metrale.kernels.silu_and_mul import silu_and_mul as fused_silu_and_mul
+
+            self.act = fused_silu_and_mul
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
@@ -70,20 +78,21 @@ class DecoderMLP(nn.Module):
         return [self.intermediate_size, self.intermediate_size]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, *, qkv_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, config: ModelConfig, *, qkv_bias: bool, qk_norm: bool, fused: bool) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = DecoderAttention(config, qkv_bias=qkv_bias, qk_norm=qk_norm)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = DecoderMLP(config)
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, fused)
+        self.self_attn = DecoderAttention(config, qkv_bias=qkv_bias, qk_norm=qk_norm, fused=fused)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, fused)
+        self.mlp = DecoderMLP(config, fused)
 
     def forward(
         self,
-        rope: RotaryAngles,
+        rope: RotaryAngles | FusedRotary,
         x: torch.Tensor,
         residual: torch.Tensor | None,
         meta: AttentionMetadata,
@@ -95,15 +104,17 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: ModelConfig, *, qkv_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, config: ModelConfig, *, qkv_bias: bool, qk_norm: bool, fused: bool) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope)
+        self.rotary = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope, fused
+        )
         self.layers = nn.ModuleList(
-            DecoderLayer(config, qkv_bias=qkv_bias, qk_norm=qk_norm)
+            DecoderLayer(config, qkv_bias=qkv_bias, qk_norm=qk_norm, fused=fused)
             for _ in range(config.num_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
@@ -118,15 +129,21 @@ class DecoderModel(nn.Module):
 
 @register_model("LlamaForCausalLM", "MistralForCausalLM")
 class LlamaForCausalLM(nn.Module):
-    """Llama 2/3 and Mistral; the base of the family."""
+    """Llama 2/3 and Mistral; the base of the family.
+
+    `fused_kernels`: RMSNorm, SiLU-and-mul and rotary run as Triton kernels (GPU) instead of
+    chains of torch ops.
+    """
 
     qkv_bias_always = False
     qk_norm = False
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, fused_kernels: bool = False) -> None:
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config, qkv_bias=self.has_qkv_bias(config), qk_norm=self.qk_norm)
+        self.model = DecoderModel(
+            config, qkv_bias=self.has_qkv_bias(config), qk_norm=self.qk_norm, fused=fused_kernels
+        )
         if config.tie_word_embeddings:
             self.lm_head = None
         else:

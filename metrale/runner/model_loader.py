@@ -35,6 +35,7 @@ def load_model(
     load_format: str = "safetensors",
     seed: int = 0,
     progress: bool = True,
+    fused_kernels: bool = False,
 ) -> nn.Module:
     """The model, in eval mode on `device`; `dummy` fills random weights of the right shapes."""
     cls = model_class_for(config.architecture)
@@ -46,6 +47,6 @@ def load_model(
     else:
         raise ValueError(f"load_format={load_format!r}: use one of {', '.join(LOAD_FORMATS)}")
     with _default_dtype(dtype), torch.device(device):
-        model = cls(config)
+        model = cls(config, fused_kernels=fused_kernels)
     model.load_weights(tensors)
     return model.eval().requires_grad_(False)

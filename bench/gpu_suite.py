@@ -1,0 +1,279 @@
+"""The GPU benchmark suite (issue B1/B2/B3/B5), on random weights of real shapes.
+
+Each run measures, in the same process: the device's copy bandwidth (a 4 GiB device-to-device
+copy, read + write counted) and a large bf16 matrix-vector product's read bandwidth; the
+roofline of B1 from them; and, for B1, transformers `generate` on the same shape as the
+reference. Results go to $OUT (or bench/results) as JSON with git SHA, device and versions.
+
+    python bench/gpu_suite.py b1 b2 b5 [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from metrale.engine.core import EngineCore
+from metrale.engine.messages import EngineRequest
+from metrale.engine_args import EngineArgs
+from metrale.sampling_params import SamplingParams
+
+ROOT = Path(__file__).resolve().parent
+
+LLAMA_8B = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 128256,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 131072,
+    "tie_word_embeddings": False,
+    "rope_theta": 500000.0,
+    "torch_dtype": "bfloat16",
+    "eos_token_id": [128001, 128009],
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+}
+QWEN3_06B = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "vocab_size": 151936,
+    "hidden_size": 1024,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 40960,
+    "tie_word_embeddings": True,
+    "rope_theta": 1000000.0,
+    "torch_dtype": "bfloat16",
+    "eos_token_id": 151645,
+}
+
+
+def model_dir(config: dict) -> str:
+    path = Path(tempfile.mkdtemp(prefix="bench-model-"))
+    (path / "config.json").write_text(json.dumps(config))
+    return str(path)
+
+
+def engine(config: dict, **kwargs) -> EngineCore:
+    args = EngineArgs(
+        model_from_path=model_dir(config), load_format="dummy", dtype="bfloat16", **kwargs
+    )
+    return EngineCore.from_config(args.create_config(), progress=False)
+
+
+def run(
+    core: EngineCore, prompts: list[list[int]], params: list[SamplingParams]
+) -> tuple[float, int]:
+    """Wall seconds and output tokens for the whole batch."""
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        core.add_request(EngineRequest(f"r{time.monotonic_ns()}-{i}", prompt, p, 0.0))
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    num_tokens = 0
+    while core.has_unfinished_requests():
+        num_tokens += sum(len(o.new_token_ids) for o in core.step())
+    torch.cuda.synchronize()
+    return time.perf_counter() - start, num_tokens
+
+
+def bandwidth() -> dict[str, float]:
+    src = torch.empty(2**31, dtype=torch.bfloat16, device="cuda").normal_()  # 4 GiB
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(10):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    copy = 2 * src.numel() * 2 * 10 / (time.perf_counter() - t)
+    del src, dst
+    w = torch.randn(28672 * 2, 4096, dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(1, 4096, dtype=torch.bfloat16, device="cuda")
+    for _ in range(3):
+        x @ w.t()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(50):
+        x @ w.t()
+    torch.cuda.synchronize()
+    gemv = w.numel() * 2 * 50 / (time.perf_counter() - t)
+    return {
+        "copy_bytes_per_s": copy,
+        "gemv_read_bytes_per_s": gemv,
+        "read_bytes_per_s": max(copy, gemv),
+    }
+
+
+def b1(results: dict) -> None:
+    """Batch-1 decode, Llama-3.1-8B shape, prompt 128, 512 output tokens."""
+    bw = bandwidth()
+    results["bandwidth"] = bw
+    core = engine(LLAMA_8B, max_seq_len=2048, max_num_seqs=8, gpu_memory_utilization=0.85)
+    prompt = torch.randint(0, 128000, (128,)).tolist()
+
+    def params(n: int) -> list[SamplingParams]:
+        return [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)]
+
+    run(core, [prompt], params(8))
+    times = []
+    for _ in range(3):
+        t_long, _ = run(core, [prompt], params(513))
+        t_short, _ = run(core, [prompt], params(1))
+        times.append(512 / (t_long - t_short))
+    ours = sorted(times)[1]
+    cfg = core.config.model
+    weights = (
+        sum(
+            p.numel() * p.element_size()
+            for n, p in core.runner.model.named_parameters()
+            if "embed_tokens" not in n
+        )
+        + cfg.hidden_size * 2
+    )
+    kv_per_token = 2 * cfg.num_layers * cfg.kv_size * 2 * (128 + 256)  # mean context
+    roofline = bw["read_bytes_per_s"] / (weights + kv_per_token)
+    results["b1"] = {
+        "tokens_per_s": ours,
+        "runs": times,
+        "roofline_tokens_per_s": roofline,
+        "fraction_of_roofline": ours / roofline,
+        "cuda_graphs": core.runner.graphs is not None,
+    }
+    print(f"B1: {ours:.1f} tok/s, roofline {roofline:.1f}, {100 * ours / roofline:.1f}%")
+    del core
+    torch.cuda.empty_cache()
+    import transformers
+
+    hf_config = transformers.LlamaConfig(
+        **{k: v for k, v in LLAMA_8B.items() if k not in ("architectures", "torch_dtype")}
+    )
+    with torch.device("cuda"):
+        hf = transformers.LlamaForCausalLM(hf_config).to(torch.bfloat16).eval()
+    hf.generation_config.eos_token_id = None
+    ids = torch.tensor([prompt], device="cuda")
+
+    def hf_seconds(n: int) -> float:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    hf_seconds(4)
+    t_long, t_short = hf_seconds(129), hf_seconds(1)
+    hf_rate = 128 / (t_long - t_short)
+    results["b1"]["hf_tokens_per_s"] = hf_rate
+    results["b1"]["vs_hf"] = ours / hf_rate
+    print(f"B1 transformers: {hf_rate:.1f} tok/s; ours/hf = {ours / hf_rate:.1f}x")
+
+
+def b2(results: dict) -> None:
+    """nano-vllm's benchmark: 256 sequences, input and output lengths U[100, 1024]."""
+    for name, config in (("qwen3_0.6b", QWEN3_06B), ("llama_8b", LLAMA_8B)):
+        core = engine(
+            config,
+            max_seq_len=4096,
+            max_num_seqs=256,
+            max_prefill_tokens=8192,
+            gpu_memory_utilization=0.85,
+        )
+        g = torch.Generator().manual_seed(0)
+        lens_in = torch.randint(100, 1025, (256,), generator=g).tolist()
+        lens_out = torch.randint(100, 1025, (256,), generator=g).tolist()
+        prompts = [torch.randint(0, 10000, (n,), generator=g).tolist() for n in lens_in]
+        params = [
+            SamplingParams(temperature=0.6, max_tokens=n, ignore_eos=True, seed=i)
+            for i, n in enumerate(lens_out)
+        ]
+        run(core, prompts[:4], [SamplingParams(max_tokens=8)] * 4)
+        seconds, tokens = run(core, prompts, params)
+        results[f"b2_{name}"] = {
+            "output_tokens_per_s": tokens / seconds,
+            "seconds": seconds,
+            "output_tokens": tokens,
+        }
+        print(f"B2 {name}: {tokens / seconds:.0f} output tok/s ({tokens} in {seconds:.1f} s)")
+        del core
+        torch.cuda.empty_cache()
+
+
+def b5(results: dict) -> None:
+    """Prefix caching: 2048-token prompts sharing 0% or 75% of their tokens, cache on and off."""
+    for shared in (0.0, 0.75):
+        for caching in (False, True):
+            core = engine(
+                QWEN3_06B,
+                max_seq_len=4096,
+                max_num_seqs=64,
+                enable_prefix_caching=caching,
+                gpu_memory_utilization=0.5,
+            )
+            g = torch.Generator().manual_seed(0)
+            prefix = torch.randint(0, 10000, (int(2048 * shared),), generator=g).tolist()
+            prompts = [
+                prefix + torch.randint(0, 10000, (2048 - len(prefix),), generator=g).tolist()
+                for _ in range(64)
+            ]
+            params = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)] * 64
+            run(core, prompts[:1], params[:1])  # warm up; with caching, seeds the prefix
+            seconds, _ = run(core, prompts, params)
+            key = f"b5_shared{int(shared * 100)}_{'cache' if caching else 'nocache'}"
+            results[key] = {"seconds": seconds, "prompt_tokens_per_s": 64 * 2048 / seconds}
+            print(f"B5 {key}: {seconds:.3f} s")
+            del core
+            torch.cuda.empty_cache()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("benchmarks", nargs="+", choices=["b1", "b2", "b5"])
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ROOT / "results")))
+    args = parser.parse_args()
+    results: dict = {
+        "date": datetime.date.today().isoformat(),
+        "git_sha": os.environ.get("GIT_SHA")
+        or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
+        ).stdout.strip(),
+        "device": torch.cuda.get_device_name(),
+        "versions": {"torch": torch.__version__, "python": platform.python_version()},
+    }
+    for name in args.benchmarks:
+        try:
+            globals()[name](results)
+        except Exception as e:  # keep the other benchmarks' numbers
+            results[f"{name}_error"] = f"{type(e).__name__}: {e}"
+            print(f"{name} failed: {type(e).__name__}: {e}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    out = args.out / f"gpu_suite-{results['date']}.json"
+    out.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
