@@ -1,0 +1,282 @@
+"""Prefill attention over the paged KV cache: a flat varlen batch of query chunks.
+
+Sequence b's queries are rows query_start_loc[b]:query_start_loc[b + 1] of q, and its keys are
+the first seq_lens[b] positions of its blocks, the chunk's own keys included (stored before the
+call). Query i of the chunk sits at position seq_lens[b] - q_len + i, so one kernel covers
+prefill from scratch, chunked prefill and prefix-cache hits: a chunk only differs by how many
+cached positions come before it.
+
+Flash-attention style: one program per (query tile, head, sequence) streams key tiles through an
+online softmax with fp32 accumulation. Key tiles are gathered position by position through the
+block table, so any block_size works and a key tile may span blocks. The grid is sized by the
+host's `max_query_len`; tiles past a sequence's chunk exit at once.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _paged_prefill_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    block_tables_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    scale,
+    sliding_window,
+    stride_q_token,
+    stride_q_head,
+    stride_out_token,
+    stride_out_head,
+    stride_cache_block,
+    stride_cache_token,
+    stride_cache_head,
+    stride_bt_seq,
+    GROUP_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    q_tile = tl.program_id(0)
+    head = tl.program_id(1)
+    seq = tl.program_id(2)
+
+    q_start = tl.load(query_start_loc_ptr + seq).to(tl.int32)
+    q_len = tl.load(query_start_loc_ptr + seq + 1).to(tl.int32) - q_start
+    if q_tile * BLOCK_M >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+    context_len = seq_len - q_len  # cached positions before this chunk
+    kv_head = head // GROUP_SIZE
+
+    offs_m = q_tile * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] rows of the chunk
+    offs_d = tl.arange(0, HEAD_DIM)
+    m_mask = offs_m < q_len
+    query_pos = context_len + offs_m  # [BLOCK_M]
+    q = tl.load(
+        q_ptr
+        + (q_start + offs_m)[:, None] * stride_q_token
+        + head * stride_q_head
+        + offs_d[None, :],
+        mask=m_mask[:, None],
+        other=0.0,
+    )  # [BLOCK_M, HEAD_DIM]
+
+    # Keys [lo, hi): up to the tile's last query (causal), from the first query's window.
+    hi = context_len + tl.minimum((q_tile + 1) * BLOCK_M, q_len)
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(context_len + q_tile * BLOCK_M - sliding_window + 1, 0)
+
+    # Finite start for the running max: a row may see no key in a tile (causal or window), and
+    # exp(-inf - m) must then be 0, never exp(-inf + inf) = nan.
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    bt_row = block_tables_ptr + seq * stride_bt_seq
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
+        n_mask = offs_n < hi
+        block_ids = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        kv_off = (
+            block_ids * stride_cache_block
+            + (offs_n % BLOCK_SIZE) * stride_cache_token
+            + kv_head * stride_cache_head
+        )  # [BLOCK_N]
+        k = tl.load(
+            k_cache_ptr + kv_off[None, :] + offs_d[:, None], mask=n_mask[None, :], other=0.0
+        )  # [HEAD_DIM, BLOCK_N]
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale  # [BLOCK_M, BLOCK_N]
+        visible = (offs_n[None, :] <= query_pos[:, None]) & n_mask[None, :]
+        if HAS_WINDOW:
+            visible = visible & (offs_n[None, :] > query_pos[:, None] - sliding_window)
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0
+        )  # [BLOCK_N, HEAD_DIM]
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    # Every real row sees at least its own key, so l_i > 0; padded rows are not stored.
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(
+        out_ptr
+        + (q_start + offs_m)[:, None] * stride_out_token
+        + head * stride_out_head
+        + offs_d[None, :],
+        o.to(out_ptr.dtype.element_ty),
+        mask=m_mask[:, None],
+    )
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_query_len: int,
+    scale: float,
+    sliding_window: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of each sequence's query chunk over its cached context.
+
+    q: [num_tokens, num_heads, head_dim], the flat batch. Caches: [num_blocks, block_size,
+    num_kv_heads, head_dim], contiguous. block_tables: [num_seqs, max_blocks] int32/int64.
+    query_start_loc: [num_seqs + 1] int32/int64 row offsets into q. seq_lens: [num_seqs], each
+    sequence's length including its chunk. max_query_len: a host int >= every chunk length; it
+    sizes the grid. sliding_window: keys at positions <= pos - window are masked.
+    Rows of q not covered by query_start_loc are left unwritten in out.
+    Returns out: [num_tokens, num_heads, head_dim], dtype of q.
+    """
+    _, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
+    num_seqs = seq_lens.shape[0]
+    _check_inputs(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, sliding_window)
+    assert cache_head_dim == head_dim, f"q head_dim {head_dim} != cache head_dim {cache_head_dim}"
+    if out is None:
+        out = torch.empty_like(q)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.stride(2) == 1, (
+        f"out must be {tuple(q.shape)} {q.dtype} with contiguous head_dim"
+    )
+    if num_seqs == 0 or max_query_len == 0:
+        return out
+
+    # fp32 ("ieee") dots run on FMA units with both operands in registers: at 64x32 tiles and
+    # head_dim 128 they spill, at 32x16 they fit (ptxas, sm_90).
+    max_block_m, block_n = (32, 16) if q.dtype == torch.float32 else (64, 64)
+    block_m = min(max_block_m, max(16, triton.next_power_of_2(max_query_len)))
+    grid = (triton.cdiv(max_query_len, block_m), num_heads, num_seqs)
+    _paged_prefill_kernel[grid](
+        q,
+        k_cache,
+        v_cache,
+        out,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        scale,
+        sliding_window or 0,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        GROUP_SIZE=num_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_SIZE=block_size,
+        HAS_WINDOW=sliding_window is not None,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )
+    return out
+
+
+def _check_inputs(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sliding_window: int | None,
+) -> None:
+    _, num_heads, head_dim = q.shape
+    num_seqs = seq_lens.shape[0]
+    assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape, (
+        f"caches must both be [num_blocks, block_size, num_kv_heads, head_dim], got "
+        f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+    )
+    assert k_cache.is_contiguous() and v_cache.is_contiguous(), "caches must be contiguous"
+    assert q.dtype == k_cache.dtype == v_cache.dtype, (
+        f"q {q.dtype} and caches {k_cache.dtype}/{v_cache.dtype} must share a dtype"
+    )
+    assert q.dtype in (torch.float16, torch.bfloat16, torch.float32), f"unsupported {q.dtype}"
+    assert q.stride(2) == 1, "q's head_dim must be contiguous"
+    num_kv_heads = k_cache.shape[2]
+    assert num_heads % num_kv_heads == 0, (
+        f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}"
+    )
+    assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, (
+        f"head_dim {head_dim} must be a power of two >= 16"
+    )
+    assert block_tables.dim() == 2 and block_tables.shape[0] == num_seqs, (
+        f"block_tables must be [{num_seqs}, max_blocks], got {tuple(block_tables.shape)}"
+    )
+    assert block_tables.dtype in (torch.int32, torch.int64) and block_tables.stride(1) == 1, (
+        "block_tables must be int32/int64 with contiguous rows"
+    )
+    for name, t, n in (
+        ("query_start_loc", query_start_loc, num_seqs + 1),
+        ("seq_lens", seq_lens, num_seqs),
+    ):
+        assert t.shape == (n,) and t.dtype in (torch.int32, torch.int64) and t.is_contiguous(), (
+            f"{name} must be contiguous [{n}] int32/int64, got {tuple(t.shape)} {t.dtype}"
+        )
+    assert sliding_window is None or sliding_window > 0, (
+        f"sliding_window {sliding_window} must be positive or None"
+    )
+    assert q.device == k_cache.device == block_tables.device == seq_lens.device, (
+        "tensors on different devices"
+    )
+    assert query_start_loc.device == q.device, "query_start_loc on a different device"
+
+
+def paged_prefill_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Torch reference of `paged_prefill_attention`: gather each context, softmax in fp32.
+
+    Rows of q outside every chunk come back as zeros.
+    """
+    num_heads = q.shape[1]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group_size = num_heads // num_kv_heads
+    out = torch.zeros_like(q)  # [num_tokens, num_heads, head_dim]
+    starts = query_start_loc.tolist()
+    for seq, seq_len in enumerate(seq_lens.tolist()):
+        q_start, q_end = starts[seq], starts[seq + 1]
+        if q_end == q_start:
+            continue
+        key_pos = torch.arange(seq_len, device=q.device)  # [seq_len]
+        query_pos = torch.arange(seq_len - (q_end - q_start), seq_len, device=q.device)
+        blocks = block_tables[seq, key_pos // block_size].long()
+        keys = k_cache[blocks, key_pos % block_size].float()  # [seq_len, num_kv_heads, head_dim]
+        values = v_cache[blocks, key_pos % block_size].float()
+        keys = keys.repeat_interleave(group_size, dim=1)  # [seq_len, num_heads, head_dim]
+        values = values.repeat_interleave(group_size, dim=1)
+        queries = q[q_start:q_end].float()  # [q_len, num_heads, head_dim]
+        scores = torch.einsum("qhd,khd->hqk", queries, keys) * scale
+        visible = key_pos[None, :] <= query_pos[:, None]  # [q_len, seq_len]
+        if sliding_window is not None:
+            visible &= key_pos[None, :] > query_pos[:, None] - sliding_window
+        scores.masked_fill_(~visible, float("-inf"))
+        probs = scores.softmax(dim=-1)  # [num_heads, q_len, seq_len]
+        out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, values).to(q.dtype)
+    return out
