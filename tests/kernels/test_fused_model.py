@@ -21,8 +21,13 @@ def test_fused_kernels_match_torch_ops(tmp_path, device, arch):
     model_config = dataclasses.replace(model_config, max_position_embeddings=128)
     cls = model_class_for(model_config.architecture)
     cache = CacheConfig(block_size=16, num_blocks=8, enable_prefix_caching=False)
-    scheduler = SchedulerConfig(max_num_seqs=4, max_batch_size=4, max_prefill_tokens=64,
-                                max_num_batched_tokens=64, max_seq_len=128)
+    scheduler = SchedulerConfig(
+        max_num_seqs=4,
+        max_batch_size=4,
+        max_prefill_tokens=64,
+        max_num_batched_tokens=64,
+        max_seq_len=128,
+    )
     torch.manual_seed(0)
     state = None
     results = []
@@ -34,11 +39,14 @@ def test_fused_kernels_match_torch_ops(tmp_path, device, arch):
                 p.data.normal_(0, 0.15)
             state = model.state_dict()
         model.load_state_dict(state)
-        runner = ModelRunner(model, model_config, cache, scheduler, torch.float32,
-                             torch.device(device))
+        runner = ModelRunner(
+            model, model_config, cache, scheduler, torch.float32, torch.device(device)
+        )
         params = SamplingParams(temperature=0, logprobs=3)
-        chunks = [ScheduledChunk("a", list(range(10, 30)), 0, [0, 1], True, params),
-                  ScheduledChunk("b", list(range(40, 47)), 0, [2], True, params)]
+        chunks = [
+            ScheduledChunk("a", list(range(10, 30)), 0, [0, 1], True, params),
+            ScheduledChunk("b", list(range(40, 47)), 0, [2], True, params),
+        ]
         results.append(runner.execute(SchedulerOutput(chunks)))
     unfused, fused = results
     assert fused.sampled_token_ids == unfused.sampled_token_ids
