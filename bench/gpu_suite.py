@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import platform
@@ -100,6 +101,51 @@ def run(
     return time.perf_counter() - start, num_tokens
 
 
+def release(core: EngineCore) -> None:
+    """Give an engine's GPU memory back before the next one sizes its KV pool."""
+    core.runner.graphs = None
+    core.runner.kv_caches.clear()
+    for layer in core.runner.model.attention_layers():
+        layer.bind_cache(torch.empty(0), torch.empty(0))
+    core.runner.model = None
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def profile(results: dict) -> None:
+    """Where a batch-1 decode step of the 8B shape spends its time (eager, kernel by kernel)."""
+    core = engine(
+        LLAMA_8B, max_seq_len=2048, max_num_seqs=8, gpu_memory_utilization=0.85, enforce_eager=True
+    )
+    prompt = torch.randint(0, 128000, (128,)).tolist()
+    core.add_request(
+        EngineRequest(
+            "p", prompt, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True), 0.0
+        )
+    )
+    for _ in range(8):
+        core.step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(20):
+        core.step()
+    torch.cuda.synchronize()
+    eager_ms = (time.perf_counter() - start) / 20 * 1000
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            core.step()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
+    out = Path(os.environ.get("OUT", ROOT / "results")) / "profile_b1_eager.txt"
+    out.write_text(f"eager decode step: {eager_ms:.2f} ms\n\n{table}\n")
+    results["profile_b1_eager_ms_per_step"] = eager_ms
+    print(f"eager B1 step {eager_ms:.2f} ms; profile in {out}")
+    release(core)
+
+
 def bandwidth() -> dict[str, float]:
     src = torch.empty(2**31, dtype=torch.bfloat16, device="cuda").normal_()  # 4 GiB
     dst = torch.empty_like(src)
@@ -165,8 +211,7 @@ def b1(results: dict) -> None:
         "cuda_graphs": core.runner.graphs is not None,
     }
     print(f"B1: {ours:.1f} tok/s, roofline {roofline:.1f}, {100 * ours / roofline:.1f}%")
-    del core
-    torch.cuda.empty_cache()
+    release(core)
     import transformers
 
     hf_config = transformers.LlamaConfig(
@@ -218,8 +263,7 @@ def b2(results: dict) -> None:
             "output_tokens": tokens,
         }
         print(f"B2 {name}: {tokens / seconds:.0f} output tok/s ({tokens} in {seconds:.1f} s)")
-        del core
-        torch.cuda.empty_cache()
+        release(core)
 
 
 def b5(results: dict) -> None:
@@ -245,13 +289,12 @@ def b5(results: dict) -> None:
             key = f"b5_shared{int(shared * 100)}_{'cache' if caching else 'nocache'}"
             results[key] = {"seconds": seconds, "prompt_tokens_per_s": 64 * 2048 / seconds}
             print(f"B5 {key}: {seconds:.3f} s")
-            del core
-            torch.cuda.empty_cache()
+            release(core)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("benchmarks", nargs="+", choices=["b1", "b2", "b5"])
+    parser.add_argument("benchmarks", nargs="+", choices=["b1", "b2", "b5", "profile"])
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ROOT / "results")))
     args = parser.parse_args()
     results: dict = {
