@@ -53,10 +53,13 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
+        return hits
+
+    def record_admission(self, request: Request, num_cached_tokens: int) -> None:
+        """Count a first admission's prompt in the prefix-cache stats (retries do not count)."""
         if request.num_preemptions == 0:
             self.stats.num_queried_tokens += request.num_prompt_tokens
-            self.stats.num_hit_tokens += len(hits) * self.block_size
-        return hits
+            self.stats.num_hit_tokens += num_cached_tokens
 
     def allocate(
         self,

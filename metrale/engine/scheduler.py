@@ -91,6 +91,7 @@ class Scheduler:
                 request.num_computed_tokens = 0
                 break
             self.waiting.popleft()
+            self.kv_cache.record_admission(request, num_cached)
             if request.num_preemptions == 0:
                 request.num_cached_prompt_tokens = num_cached
             request.status = RequestStatus.RUNNING

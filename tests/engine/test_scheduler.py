@@ -254,3 +254,11 @@ def test_random_workload_keeps_block_accounting_exact(seed):
         if r.finish_reason is FinishReason.LENGTH:
             assert outputs[r.request_id] == expected_tokens(r, r.sampling_params.max_tokens)
     assert s.kv_cache.pool.num_free_blocks == 24
+
+
+def test_prefix_stats_count_each_prompt_once_however_long_it_waits():
+    s = make_scheduler(max_num_seqs=1)
+    s.add_request(request("first", prompt_len=10, max_tokens=6))
+    s.add_request(request("waits", prompt_len=7, max_tokens=2))  # refused for several steps
+    run_to_completion(s)
+    assert s.kv_cache.stats.num_queried_tokens == 17
