@@ -257,8 +257,8 @@ def test_random_workload_keeps_block_accounting_exact(seed):
 
 
 def test_prefix_stats_count_each_prompt_once_however_long_it_waits():
-    s = make_scheduler(max_num_seqs=1)
-    s.add_request(request("first", prompt_len=10, max_tokens=6))
-    s.add_request(request("waits", prompt_len=7, max_tokens=2))  # refused for several steps
+    s = make_scheduler(num_blocks=4)
+    s.add_request(request("first", prompt_len=10, max_tokens=6))  # grows to fill all 4 blocks
+    s.add_request(request("waits", prompt_len=7, max_tokens=2))  # no room for several steps
     run_to_completion(s)
     assert s.kv_cache.stats.num_queried_tokens == 17
