@@ -293,7 +293,8 @@ def b5(results: dict) -> None:
     """Prefix caching: 2048-token prompts sharing 0% or 75% of their tokens, cache on and off.
 
     Each engine first runs a workload of the same shape from another seed, so that every kernel
-    variant is compiled before the timed run (and, with caching, nothing of it is reused).
+    variant is compiled before the timed runs; the three timed runs (median kept) use fresh
+    seeds, so with caching only each run's own shared prefix is reused.
     """
 
     def workload(shared: float, seed: int) -> list[list[int]]:
@@ -315,9 +316,14 @@ def b5(results: dict) -> None:
                 gpu_memory_utilization=0.5,
             )
             run(core, workload(shared, seed=1), params)
-            seconds, _ = run(core, workload(shared, seed=0), params)
+            runs = [run(core, workload(shared, seed=seed), params)[0] for seed in (10, 11, 12)]
+            seconds = sorted(runs)[1]
             key = f"b5_shared{int(shared * 100)}_{'cache' if caching else 'nocache'}"
-            results[key] = {"seconds": seconds, "prompt_tokens_per_s": 64 * 2048 / seconds}
+            results[key] = {
+                "seconds": seconds,
+                "runs": runs,
+                "prompt_tokens_per_s": 64 * 2048 / seconds,
+            }
             print(f"B5 {key}: {seconds:.3f} s")
             release(core)
     for shared in (0, 75):

@@ -59,7 +59,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and len(chunks) < self.config.max_batch_size:
             request = self.running[i]
-            num_new = self._num_tokens_to_compute(request, token_budget, prefill_budget)
+            num_new = self._num_tokens_to_compute(
+                request.num_tokens - request.num_computed_tokens, token_budget, prefill_budget
+            )
             if num_new == 0:
                 i += 1
                 continue
@@ -85,11 +87,12 @@ class Scheduler:
             request = self.waiting[0]
             cached_prefix = self.kv_cache.find_cached_prefix(request)
             num_cached = len(cached_prefix) * self.kv_cache.block_size
-            request.num_computed_tokens = num_cached
-            num_new = self._num_tokens_to_compute(request, token_budget, prefill_budget)
+            num_new = self._num_tokens_to_compute(
+                request.num_tokens - num_cached, token_budget, prefill_budget
+            )
             if num_new == 0 or not self.kv_cache.allocate(request, num_new, cached_prefix):
-                request.num_computed_tokens = 0
                 break
+            request.num_computed_tokens = num_cached
             self.waiting.popleft()
             self.kv_cache.record_admission(request, num_cached)
             if request.num_preemptions == 0:
@@ -132,10 +135,9 @@ class Scheduler:
             )
         return outputs
 
-    def _num_tokens_to_compute(
-        self, request: Request, token_budget: int, prefill_budget: int
-    ) -> int:
-        num_new = min(request.num_tokens - request.num_computed_tokens, token_budget)
+    @staticmethod
+    def _num_tokens_to_compute(num_remaining: int, token_budget: int, prefill_budget: int) -> int:
+        num_new = min(num_remaining, token_budget)
         if num_new > 1:
             num_new = min(num_new, prefill_budget)
         return max(num_new, 0)

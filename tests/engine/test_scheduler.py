@@ -246,6 +246,8 @@ def test_random_workload_keeps_block_accounting_exact(seed):
         scheduled = s.schedule()
         held = sum(b.ref_count for b in s.kv_cache.pool.blocks)
         assert held == sum(len(v) for v in s.kv_cache._blocks.values())
+        for chunk in scheduled.chunks:  # exactly the blocks the step's tokens need, no more
+            assert len(chunk.block_ids) == -(-(chunk.start_pos + chunk.num_tokens) // BLOCK)
         for out in s.update(scheduled, runner.execute(scheduled)):
             outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
         if rng.random() < 0.05 and s.running:

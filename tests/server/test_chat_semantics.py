@@ -161,20 +161,26 @@ def test_non_streaming_client_that_gives_up_frees_its_blocks(server):
     assert memory["requests"]["running"] == 0
 
 
-def test_request_timeout_and_always_include_usage(qwen3_dir, tmp_path):
-    server = start_server(
-        qwen3_dir, tmp_path / "server.log", "--request-timeout", "0.15", "--always-include-usage"
-    )
+def test_request_timeout(qwen3_dir, tmp_path):
+    server = start_server(qwen3_dir, tmp_path / "server.log", "--request-timeout", "0.15")
     try:
+        # 480 tokens take ~0.7 s on an idle 2-core machine: far past the 0.15 s limit.
         body = {"model": MODEL_NAME, "messages": USER, "max_tokens": 480, "ignore_eos": True}
         response = httpx.post(server.api_url + "/chat/completions", json=body, timeout=30)
         assert response.status_code == 408
         assert "timed out" in response.json()["error"]["message"]
+    finally:
+        assert stop_server(server) == 0, server.log()
+
+
+def test_always_include_usage(qwen3_dir, tmp_path):
+    server = start_server(qwen3_dir, tmp_path / "server.log", "--always-include-usage")
+    try:
         body = {"model": MODEL_NAME, "messages": USER, "max_tokens": 2, "stream": True}
         with httpx.stream(
             "POST", server.api_url + "/chat/completions", json=body, timeout=30
         ) as streamed:
             lines = [line for line in streamed.iter_lines() if line.startswith("data: {")]
-        assert '"usage":{"prompt_tokens"' in lines[-1], "usage chunk without asking for it"
+        assert '"usage":{"prompt_tokens"' in lines[-1], "no usage chunk without asking for it"
     finally:
         assert stop_server(server) == 0, server.log()
