@@ -1,0 +1,38 @@
+"""Bare JSON: the whole output is one call object (or an array of them), else content.
+
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+
+For models prompted to answer with a JSON call and nothing else (Llama 3.x JSON tool calling
+writes ``"parameters"`` for the arguments; guided ``tool_choice="required"`` output is an
+array of such objects). Only output that starts, after whitespace, with ``{`` or ``[`` is
+looked at, and since a JSON answer may well have a "name" member, the name must be one of the
+request's tools when tools are given. Anything else stays content, as does text after the
+call.
+"""
+
+from __future__ import annotations
+
+from metrale.frontend.tool_parsers.base import ToolParserOptions
+from metrale.frontend.tool_parsers.block_parser import BlockParser, BlockReader
+from metrale.frontend.tool_parsers.json_call import JsonCallsBlock
+from metrale.frontend.tool_parsers.registry import register_tool_parser
+from metrale.frontend.tool_parsers.tags import skip_space
+
+
+@register_tool_parser("bare_json")
+class BareJsonToolParser(BlockParser):
+    def __init__(self, options: ToolParserOptions) -> None:
+        super().__init__(options)
+        self._looked = False  # whether the first non-space character was seen
+
+    def locate_block(self, text: str, final: bool) -> tuple[int, str | None]:
+        if self._looked:
+            return len(text), None
+        start = skip_space(text, 0)
+        if start == len(text):
+            return (len(text) if final else 0), None
+        self._looked = True
+        return (0, "") if text[start] in "{[" else (len(text), None)
+
+    def open_block(self, opener: str) -> BlockReader:
+        return JsonCallsBlock(self.sink, self.options.tools.keys() or None)

@@ -1,0 +1,102 @@
+"""The tool-call event model and the parser interface.
+
+A tool parser reads the text a model generates and splits it into content and tool calls. The
+same incremental state machine serves streaming and non-streaming: streaming calls `feed` with
+each text delta, non-streaming calls `feed(whole_text)` once, and both end with `finish`.
+Because only the delta boundaries differ, the collected content and calls are identical.
+
+What stays true of every event stream a parser returns:
+  * events are final: nothing is retracted, so text that may still turn into a tool-call
+    opener (a partial ``<tool_call``) is held back rather than emitted as content;
+  * `ToolCallStart` carries the complete name and comes before any of that call's arguments;
+  * the `ToolCallArguments` pieces of one call concatenate to one JSON object (``{}`` at least),
+    and a call's pieces all arrive before the next call starts;
+  * model output never raises: malformed text becomes content or a repaired call.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from metrale.frontend.tool_parsers.schema import ToolSpec
+
+
+@dataclass(frozen=True, slots=True)
+class ContentDelta:
+    """Text for the assistant message's ``content``."""
+
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallStart:
+    """A tool call begins; ``index`` counts calls from 0 in the order they start."""
+
+    index: int
+    id: str
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallArguments:
+    """The next piece of the JSON ``arguments`` string of call ``index``."""
+
+    index: int
+    text: str
+
+
+Event = ContentDelta | ToolCallStart | ToolCallArguments
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+def collect(events: Iterable[Event]) -> tuple[str, list[ToolCall]]:
+    """Fold an event stream into (content, calls), as a non-streaming response reports them."""
+    content: list[str] = []
+    starts: list[ToolCallStart] = []
+    arguments: list[list[str]] = []
+    for event in events:
+        if isinstance(event, ContentDelta):
+            content.append(event.text)
+        elif isinstance(event, ToolCallStart):
+            starts.append(event)
+            arguments.append([])
+        else:
+            arguments[event.index].append(event.text)
+    calls = [
+        ToolCall(start.id, start.name, "".join(pieces))
+        for start, pieces in zip(starts, arguments, strict=True)
+    ]
+    return "".join(content), calls
+
+
+@dataclass(frozen=True)
+class ToolParserOptions:
+    """What a parser knows about the request.
+
+    ``tools`` maps function names to their schemas; formats that write argument values as
+    untyped text (the XML ones) use it to give each value its JSON type. Call ids are
+    ``id_prefix`` followed by the call index, so a stream and a whole-text parse agree on them.
+    """
+
+    tools: Mapping[str, ToolSpec] = field(default_factory=dict)
+    id_prefix: str = "call_"
+
+
+class ToolParser(ABC):
+    """One request's tool-call parser: feed text deltas, then finish once."""
+
+    @abstractmethod
+    def feed(self, text: str) -> list[Event]:
+        """Take the next text delta; return the events it settles (possibly none)."""
+
+    @abstractmethod
+    def finish(self) -> list[Event]:
+        """The generation ended: flush held-back text and close or repair an open call."""

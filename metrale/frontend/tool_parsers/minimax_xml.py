@@ -1,0 +1,143 @@
+"""MiniMax-M2 (and M2.1, M2.5): XML invokes in a ``<minimax:tool_call>`` block.
+
+    <minimax:tool_call>
+    <invoke name="get_weather">
+    <parameter name="city">Paris</parameter>
+    <parameter name="days">3</parameter>
+    </invoke>
+    </minimax:tool_call>
+
+Source: MiniMax's tool-calling guide (MiniMax-AI/MiniMax-M2.5, docs/tool_calling_guide.md)
+and its reference parser: one block may hold several invokes; names may be quoted or bare;
+values convert by the parameter's schema type and stay strings without one. The guide's
+parser strips values; here a string value loses only one newline on each side (layout), so
+code keeps its indentation, while other types ignore surrounding whitespace.
+
+The older MiniMax-M1 / Text-01 wrote JSON lines in ``<tool_calls>``; that is another format
+and is not handled here.
+"""
+
+from __future__ import annotations
+
+from enum import Enum, auto
+
+from metrale.frontend.tool_parsers.base import ToolParserOptions
+from metrale.frontend.tool_parsers.block_parser import BlockParser, BlockReader
+from metrale.frontend.tool_parsers.names import NameScan, scan_name
+from metrale.frontend.tool_parsers.registry import register_tool_parser
+from metrale.frontend.tool_parsers.schema import Untyped
+from metrale.frontend.tool_parsers.sink import EventSink
+from metrale.frontend.tool_parsers.tags import match_any, skip_space
+from metrale.frontend.tool_parsers.xml_values import (
+    ArgumentsWriter,
+    ValueReader,
+    ValueRules,
+    boundaries,
+)
+
+BLOCK_OPEN = "<minimax:tool_call>"
+BLOCK_CLOSE = "</minimax:tool_call>"
+INVOKE_OPEN = "<invoke name="
+INVOKE_CLOSE = "</invoke>"
+PARAM_OPEN = "<parameter name="
+PARAM_CLOSE = "</parameter>"
+
+RULES = ValueRules(
+    boundaries(PARAM_CLOSE, (PARAM_OPEN, INVOKE_CLOSE, BLOCK_CLOSE)),
+    trim_newline=True,
+    untyped=Untyped.STRING,
+)
+
+
+def _unquote(raw: str) -> str:
+    return raw.strip().strip("\"'")
+
+
+class _State(Enum):
+    BLOCK = auto()  # between invokes
+    INVOKE_NAME = auto()
+    INVOKE = auto()  # between parameters
+    PARAM_NAME = auto()
+    VALUE = auto()
+
+
+class MinimaxBlock(BlockReader):
+    def __init__(self, sink: EventSink, options: ToolParserOptions) -> None:
+        self._sink = sink
+        self._options = options
+        self._state = _State.BLOCK
+        self._name = ""
+        self._writer = ArgumentsWriter(sink)
+        self._value: ValueReader | None = None
+        self.committed = False
+
+    def read(self, text: str, pos: int, final: bool) -> tuple[int, bool]:
+        while True:
+            state = self._state
+            if state is _State.BLOCK:
+                at = skip_space(text, pos)
+                tag, more = match_any(text, at, (INVOKE_OPEN, BLOCK_CLOSE), final)
+                if tag == BLOCK_CLOSE:
+                    return at + len(tag), True
+                if tag is None:
+                    return pos, not more
+                pos, self._state = at + len(tag), _State.INVOKE_NAME
+            elif state in (_State.INVOKE_NAME, _State.PARAM_NAME):
+                status, name, at, _ = scan_name(text, pos, (">",), final, clean=_unquote)
+                if status is NameScan.MORE:
+                    return pos, False
+                if status is NameScan.INVALID:
+                    if state is _State.PARAM_NAME:
+                        self._end_call()
+                    return pos, True
+                pos = at + 1
+                if state is _State.INVOKE_NAME:
+                    self._start_call(name)
+                    self._state = _State.INVOKE
+                else:
+                    spec = self._options.tools.get(self._name)
+                    schema = spec.params.get(name) if spec is not None else None
+                    self._value = ValueReader(RULES, name, schema, self._writer)
+                    self._state = _State.VALUE
+            elif state is _State.INVOKE:
+                at = skip_space(text, pos)
+                tag, more = match_any(text, at, (PARAM_OPEN, INVOKE_CLOSE, BLOCK_CLOSE), final)
+                if tag == PARAM_OPEN:
+                    pos, self._state = at + len(tag), _State.PARAM_NAME
+                    continue
+                if more:
+                    return at, False
+                self._end_call()
+                if tag == INVOKE_CLOSE:
+                    pos, self._state = at + len(tag), _State.BLOCK
+                elif tag == BLOCK_CLOSE:
+                    return at + len(tag), True
+                else:  # not our syntax: the call ends, the text is read as content
+                    return at, True
+            else:  # VALUE
+                assert self._value is not None
+                pos, boundary, ended = self._value.read(text, pos, final)
+                if not ended:
+                    return pos, False
+                if boundary is None:  # the output ended inside the value
+                    self._end_call()
+                    return pos, True
+                self._state = _State.INVOKE
+
+    def _start_call(self, name: str) -> None:
+        self._name = name
+        self._writer = ArgumentsWriter(self._sink)
+        self._sink.start_call(name)
+        self.committed = True
+
+    def _end_call(self) -> None:
+        self._writer.close()
+        self._sink.end_call()
+
+
+@register_tool_parser("minimax_xml")
+class MinimaxXmlToolParser(BlockParser):
+    openers = (BLOCK_OPEN,)
+
+    def open_block(self, opener: str) -> BlockReader:
+        return MinimaxBlock(self.sink, self.options)

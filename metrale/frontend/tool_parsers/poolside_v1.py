@@ -1,0 +1,136 @@
+"""Poolside v1 (Laguna): GLM-4.5/4.7-style key/value tags.
+
+    <tool_call>get_weather
+    <arg_key>city</arg_key><arg_value>Paris</arg_value>
+    <arg_key>days</arg_key><arg_value>3</arg_value>
+    </tool_call>
+
+Source: vLLM's ``poolside_v1`` parser and the Laguna parser ports in TensorRT-LLM, Dynamo
+and mlx-vlm, which describe it as the GLM-4.7 tool-call format: the name follows
+``<tool_call>`` directly, ended by a newline or the first ``<arg_key>``. A value whose schema
+type is string is kept verbatim, whitespace included (source code); any other value is
+parsed as JSON or a Python literal when it is one, typed or not, else kept as a string.
+Poolside publishes no description of its own; this follows those implementations.
+"""
+
+from __future__ import annotations
+
+from enum import Enum, auto
+
+from metrale.frontend.tool_parsers.base import ToolParserOptions
+from metrale.frontend.tool_parsers.block_parser import BlockParser, BlockReader
+from metrale.frontend.tool_parsers.names import NameScan, scan_name
+from metrale.frontend.tool_parsers.registry import register_tool_parser
+from metrale.frontend.tool_parsers.schema import Untyped
+from metrale.frontend.tool_parsers.sink import EventSink
+from metrale.frontend.tool_parsers.tags import Match, match_any, match_tag, skip_space
+from metrale.frontend.tool_parsers.xml_values import (
+    ArgumentsWriter,
+    ValueReader,
+    ValueRules,
+    boundaries,
+)
+
+CALL_OPEN = "<tool_call>"
+CALL_CLOSE = "</tool_call>"
+KEY_OPEN = "<arg_key>"
+KEY_CLOSE = "</arg_key>"
+VALUE_OPEN = "<arg_value>"
+VALUE_CLOSE = "</arg_value>"
+
+RULES = ValueRules(
+    boundaries(VALUE_CLOSE, (KEY_OPEN, CALL_CLOSE)), trim_newline=False, untyped=Untyped.JSON
+)
+
+
+class _State(Enum):
+    NAME = auto()
+    BODY = auto()  # between arguments
+    KEY = auto()
+    BEFORE_VALUE = auto()
+    VALUE = auto()
+
+
+class PoolsideBlock(BlockReader):
+    def __init__(self, sink: EventSink, options: ToolParserOptions) -> None:
+        self._sink = sink
+        self._options = options
+        self._state = _State.NAME
+        self._writer = ArgumentsWriter(sink)
+        self._name = ""
+        self._key = ""
+        self._value: ValueReader | None = None
+        self.committed = False
+
+    def read(self, text: str, pos: int, final: bool) -> tuple[int, bool]:
+        while True:
+            state = self._state
+            if state is _State.NAME:
+                start = skip_space(text, pos)
+                if start == len(text) and not final:
+                    return pos, False
+                status, name, at, delimiter = scan_name(
+                    text, start, ("\n", KEY_OPEN, CALL_CLOSE), final
+                )
+                if status is not NameScan.FOUND:
+                    return pos, status is NameScan.INVALID
+                self._name = name
+                self._sink.start_call(name)
+                self.committed = True
+                pos = at + 1 if delimiter == "\n" else at
+                self._state = _State.BODY
+            elif state is _State.BODY:
+                at = skip_space(text, pos)
+                tag, more = match_any(text, at, (KEY_OPEN, CALL_CLOSE), final)
+                if tag == KEY_OPEN:
+                    pos, self._state = at + len(tag), _State.KEY
+                elif tag == CALL_CLOSE:
+                    self._end_call()
+                    return at + len(tag), True
+                elif more:
+                    return at, False
+                else:  # not our syntax: the call ends, the text is read as content
+                    self._end_call()
+                    return at, True
+            elif state is _State.KEY:
+                status, key, at, _ = scan_name(text, pos, (KEY_CLOSE,), final)
+                if status is NameScan.MORE:
+                    return pos, False
+                if status is NameScan.INVALID:
+                    self._end_call()
+                    return pos, True
+                self._key = key
+                pos, self._state = at + len(KEY_CLOSE), _State.BEFORE_VALUE
+            elif state is _State.BEFORE_VALUE:
+                at = skip_space(text, pos)
+                match = match_tag(text, at, VALUE_OPEN, final)
+                if match is Match.MORE:
+                    return at, False
+                if match is Match.NO:  # a key without a value: dropped
+                    pos, self._state = at, _State.BODY
+                    continue
+                spec = self._options.tools.get(self._name)
+                schema = spec.params.get(self._key) if spec is not None else None
+                self._value = ValueReader(RULES, self._key, schema, self._writer)
+                pos, self._state = at + len(VALUE_OPEN), _State.VALUE
+            else:  # VALUE
+                assert self._value is not None
+                pos, boundary, ended = self._value.read(text, pos, final)
+                if not ended:
+                    return pos, False
+                if boundary is None:  # the output ended inside the value
+                    self._end_call()
+                    return pos, True
+                self._state = _State.BODY
+
+    def _end_call(self) -> None:
+        self._writer.close()
+        self._sink.end_call()
+
+
+@register_tool_parser("poolside_v1")
+class PoolsideV1ToolParser(BlockParser):
+    openers = (CALL_OPEN,)
+
+    def open_block(self, opener: str) -> BlockReader:
+        return PoolsideBlock(self.sink, self.options)

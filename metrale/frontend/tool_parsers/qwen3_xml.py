@@ -1,0 +1,180 @@
+"""Qwen3-Coder's XML tool calls, and the ``qwen3_xml`` reading of the same grammar.
+
+    <tool_call>
+    <function=get_weather>
+    <parameter=city>
+    Paris
+    </parameter>
+    <parameter=days>
+    3
+    </parameter>
+    </function>
+    </tool_call>
+
+Source: the Qwen3-Coder chat template, which writes ``'<parameter=' + name + '>\\n'``, the
+value (strings raw, mappings and lists with ``tojson``, anything else with ``| string``), then
+``'\\n</parameter>\\n'``. So one newline on each side of a value is layout, and only the
+tool's JSON schema tells the integer 3 from the string "3": values convert by schema type;
+with no type they stay strings. Qwen3.5 templates write the same syntax.
+
+``qwen3_xml`` is vLLM's name for a second parser of this very grammar (built on a streaming
+XML parser); it is not another syntax. Here the two share this code and differ only in
+tolerance, which the `ValueRules` carry:
+  * ``qwen3_coder`` ends a value at the first ``</parameter>``; if that tag is missing, at the
+    next ``<parameter=``, ``</function>`` or ``</tool_call>``.
+  * ``qwen3_xml`` looks ahead: ``</parameter>`` ends a value only when another parameter, the
+    end of the function, or the end of the output follows; ``</function>`` only before
+    ``</tool_call>``; a missing close is recovered at a ``<parameter=`` that starts a line.
+    A value may then quote those tags (code that documents this format), at the price of
+    holding them back until what follows shows they were text.
+"""
+
+from __future__ import annotations
+
+from enum import Enum, auto
+
+from metrale.frontend.tool_parsers.base import ToolParserOptions
+from metrale.frontend.tool_parsers.block_parser import BlockParser, BlockReader
+from metrale.frontend.tool_parsers.names import NameScan, scan_name
+from metrale.frontend.tool_parsers.registry import register_tool_parser
+from metrale.frontend.tool_parsers.schema import Untyped
+from metrale.frontend.tool_parsers.sink import EventSink
+from metrale.frontend.tool_parsers.tags import Match, match_any, match_tag, skip_space
+from metrale.frontend.tool_parsers.xml_values import (
+    ArgumentsWriter,
+    Boundary,
+    ValueReader,
+    ValueRules,
+    boundaries,
+)
+
+CALL_OPEN = "<tool_call>"
+CALL_CLOSE = "</tool_call>"
+FUNCTION_OPEN = "<function="
+FUNCTION_CLOSE = "</function>"
+PARAM_OPEN = "<parameter="
+PARAM_CLOSE = "</parameter>"
+
+CODER_RULES = ValueRules(
+    boundaries(PARAM_CLOSE, (PARAM_OPEN, FUNCTION_CLOSE, CALL_CLOSE)),
+    trim_newline=True,
+    untyped=Untyped.STRING,
+)
+XML_RULES = ValueRules(
+    boundaries(
+        PARAM_CLOSE,
+        (PARAM_OPEN, FUNCTION_CLOSE, CALL_CLOSE),
+        lookahead=(
+            Boundary(PARAM_CLOSE, closes=True, followers=(PARAM_OPEN, FUNCTION_CLOSE, CALL_CLOSE)),
+            Boundary(PARAM_OPEN, at_line_start=True),
+            Boundary(FUNCTION_CLOSE, followers=(CALL_CLOSE,)),
+        ),
+    ),
+    trim_newline=True,
+    untyped=Untyped.STRING,
+)
+
+
+class _State(Enum):
+    FUNCTION = auto()  # before '<function='
+    NAME = auto()
+    BODY = auto()  # between parameters
+    PARAM_NAME = auto()
+    VALUE = auto()
+    AFTER_FUNCTION = auto()  # after '</function>': '</tool_call>', or another function
+
+
+class Qwen3Block(BlockReader):
+    def __init__(self, sink: EventSink, options: ToolParserOptions, rules: ValueRules) -> None:
+        self._sink = sink
+        self._options = options
+        self._rules = rules
+        self._state = _State.FUNCTION
+        self._function = ""
+        self._writer = ArgumentsWriter(sink)
+        self._value: ValueReader | None = None
+        self.committed = False
+
+    def read(self, text: str, pos: int, final: bool) -> tuple[int, bool]:
+        while True:
+            state = self._state
+            if state is _State.FUNCTION:
+                at = skip_space(text, pos)
+                match = match_tag(text, at, FUNCTION_OPEN, final)
+                if match is not Match.YES:
+                    return pos, match is Match.NO
+                pos, self._state = at + len(FUNCTION_OPEN), _State.NAME
+            elif state is _State.NAME:
+                status, name, at, _ = scan_name(text, pos, (">",), final)
+                if status is not NameScan.FOUND:
+                    return pos, status is NameScan.INVALID
+                self._start_call(name)
+                pos, self._state = at + 1, _State.BODY
+            elif state is _State.BODY:
+                at = skip_space(text, pos)
+                tag, more = match_any(text, at, (PARAM_OPEN, FUNCTION_CLOSE, CALL_CLOSE), final)
+                if tag == PARAM_OPEN:
+                    pos, self._state = at + len(tag), _State.PARAM_NAME
+                elif tag == FUNCTION_CLOSE:
+                    self._end_call()
+                    pos, self._state = at + len(tag), _State.AFTER_FUNCTION
+                elif tag == CALL_CLOSE:
+                    self._end_call()
+                    return at + len(tag), True
+                elif more:
+                    return at, False
+                else:  # not our syntax: the call ends, the text is read as content
+                    self._end_call()
+                    return at, True
+            elif state is _State.PARAM_NAME:
+                status, name, at, _ = scan_name(text, pos, (">",), final)
+                if status is NameScan.MORE:
+                    return pos, False
+                if status is NameScan.INVALID:
+                    self._end_call()
+                    return pos, True
+                spec = self._options.tools.get(self._function)
+                schema = spec.params.get(name) if spec is not None else None
+                self._value = ValueReader(self._rules, name, schema, self._writer)
+                pos, self._state = at + 1, _State.VALUE
+            elif state is _State.VALUE:
+                assert self._value is not None
+                pos, boundary, ended = self._value.read(text, pos, final)
+                if not ended:
+                    return pos, False
+                if boundary is None:  # the output ended inside the value
+                    self._end_call()
+                    return pos, True
+                self._state = _State.BODY
+            else:  # AFTER_FUNCTION
+                at = skip_space(text, pos)
+                tag, more = match_any(text, at, (CALL_CLOSE, FUNCTION_OPEN), final)
+                if tag == CALL_CLOSE:
+                    return at + len(tag), True
+                if tag is None:
+                    return pos, not more
+                pos, self._state = at + len(tag), _State.NAME
+
+    def _start_call(self, name: str) -> None:
+        self._function = name
+        self._writer = ArgumentsWriter(self._sink)
+        self._sink.start_call(name)
+        self.committed = True
+
+    def _end_call(self) -> None:
+        self._writer.close()
+        self._sink.end_call()
+
+
+@register_tool_parser("qwen3_coder")
+class Qwen3CoderToolParser(BlockParser):
+    openers = (CALL_OPEN,)
+    rules = CODER_RULES
+
+    def open_block(self, opener: str) -> BlockReader:
+        return Qwen3Block(self.sink, self.options, self.rules)
+
+
+@register_tool_parser("qwen3_xml")
+class Qwen3XmlToolParser(Qwen3CoderToolParser):
+    rules = XML_RULES

@@ -1,0 +1,197 @@
+"""Argument values written between tags, as the XML-style formats write them.
+
+Qwen3-Coder (``<parameter=p>v</parameter>``), MiniMax (``<parameter name="p">v</parameter>``)
+and Poolside (``<arg_key>p</arg_key><arg_value>v</arg_value>``) all write each value as bare
+text up to a closing tag. `ValueReader` reads one such value and `ArgumentsWriter` turns the
+values into one JSON object. String values stream as they arrive; other types are converted
+(by the tool's schema) once the value is complete.
+
+A value ends at its closing tag, or, when the model forgot it, at a tag that can only follow a
+value (the next parameter, the end of the function). A `Boundary` can also ask for lookahead:
+then the tag counts only when the right tag follows it, so a value that quotes the tags (code
+that documents this very format) keeps them as text.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from metrale.frontend.tool_parsers.schema import ParamSchema, Untyped, convert_value
+from metrale.frontend.tool_parsers.sink import EventSink
+from metrale.frontend.tool_parsers.tags import partial_tail_len, skip_space
+
+
+class ArgumentsWriter:
+    """Writes one call's arguments object, a member at a time; valid JSON after each piece
+    once closed with '"}' (inside a string) or '}'."""
+
+    def __init__(self, sink: EventSink) -> None:
+        self._sink = sink
+        self._num_members = 0
+
+    def value(self, key: str, value: Any) -> None:
+        self._sink.arguments(self._member_prefix(key) + json.dumps(value, ensure_ascii=False))
+
+    def open_string(self, key: str) -> None:
+        self._sink.arguments(self._member_prefix(key) + '"')
+
+    def string_piece(self, text: str) -> None:
+        # Escaping is per character, so escaping pieces equals escaping their concatenation.
+        self._sink.arguments(json.dumps(text, ensure_ascii=False)[1:-1])
+
+    def close_string(self) -> None:
+        self._sink.arguments('"')
+
+    def close(self) -> None:
+        self._sink.arguments("}" if self._num_members else "{}")
+
+    def _member_prefix(self, key: str) -> str:
+        self._num_members += 1
+        opening = "{" if self._num_members == 1 else ", "
+        return opening + json.dumps(key, ensure_ascii=False) + ": "
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """A tag that ends a value.
+
+    ``closes``: the value's own closing tag, consumed; otherwise the tag is left for the caller.
+    ``followers``: when set, the tag counts only if, after whitespace, one of these or the end
+    of the output follows it. ``at_line_start``: it counts only right after a newline.
+    """
+
+    tag: str
+    closes: bool = False
+    followers: tuple[str, ...] | None = None
+    at_line_start: bool = False
+
+
+@dataclass(frozen=True)
+class ValueRules:
+    """How a format writes values."""
+
+    boundaries: tuple[Boundary, ...]
+    # The template writes a newline after the opening tag and before the closing one; one of
+    # each is layout, not value.
+    trim_newline: bool
+    untyped: Untyped
+
+
+class ValueReader:
+    """Reads one value from just after its opening tag; writes it when it ends."""
+
+    def __init__(
+        self, rules: ValueRules, key: str, schema: ParamSchema | None, writer: ArgumentsWriter
+    ) -> None:
+        self._rules = rules
+        self._key = key
+        self._schema = schema
+        self._writer = writer
+        self._tags = tuple(b.tag for b in rules.boundaries)
+        json_type = schema.json_type if schema is not None else None
+        # Only plain strings stream: anything else needs the whole text to get its type.
+        self._streams = (
+            json_type == "string" and not (schema is not None and schema.nullable)
+        ) or (json_type is None and rules.untyped is Untyped.STRING)
+        self._started = False
+        self._held_newline = False  # a streamed trailing newline that may be layout
+        self._last_char = ">"  # the character before the unread text, for at_line_start
+        self._pieces: list[str] = []
+
+    def read(self, text: str, pos: int, final: bool) -> tuple[int, Boundary | None, bool]:
+        """(position reached, the boundary that ended the value, whether it ended).
+
+        An ended value with no boundary ran to the end of the output.
+        """
+        if not self._started:
+            if pos == len(text) and not final:
+                return pos, None, False
+            self._started = True
+            if self._streams:
+                self._writer.open_string(self._key)
+            if self._rules.trim_newline and text.startswith("\n", pos):
+                self._last_char = "\n"
+                pos += 1
+        search = pos
+        while (hit := self._next_boundary(text, search)) is not None:
+            at, boundary = hit
+            verdict = self._verdict(text, pos, at, boundary, final)
+            if verdict is None:  # undecided: hold from the tag on
+                self._take(text[pos:at])
+                return at, None, False
+            if verdict:
+                self._take(text[pos:at])
+                self._end()
+                return (at + len(boundary.tag) if boundary.closes else at), boundary, True
+            search = at + 1
+        if final:
+            self._take(text[pos:])
+            self._end()
+            return len(text), None, True
+        end = len(text) - partial_tail_len(text, max(pos, search), self._tags)
+        self._take(text[pos:end])
+        return end, None, False
+
+    def _next_boundary(self, text: str, start: int) -> tuple[int, Boundary] | None:
+        best: tuple[int, Boundary] | None = None
+        for boundary in self._rules.boundaries:
+            at = text.find(boundary.tag, start)
+            if at != -1 and (best is None or at < best[0]):
+                best = (at, boundary)
+        return best
+
+    def _verdict(
+        self, text: str, pos: int, at: int, boundary: Boundary, final: bool
+    ) -> bool | None:
+        """Whether the tag at ``at`` ends the value; None while the text cannot tell yet."""
+        if boundary.at_line_start:
+            before = text[at - 1] if at > pos else self._last_char
+            if before != "\n":
+                return False
+        if boundary.followers is None:
+            return True
+        after = skip_space(text, at + len(boundary.tag))
+        rest = text[after:]
+        if not rest:
+            return True if final else None
+        if any(rest.startswith(tag) for tag in boundary.followers):
+            return True
+        if not final and any(tag.startswith(rest) for tag in boundary.followers):
+            return None
+        return False
+
+    def _take(self, piece: str) -> None:
+        if not piece:
+            return
+        self._last_char = piece[-1]
+        if not self._streams:
+            self._pieces.append(piece)
+            return
+        if self._held_newline:
+            piece = "\n" + piece
+        self._held_newline = self._rules.trim_newline and piece.endswith("\n")
+        if self._held_newline:
+            piece = piece[:-1]
+        if piece:
+            self._writer.string_piece(piece)
+
+    def _end(self) -> None:
+        if self._streams:
+            self._writer.close_string()
+            return
+        text = "".join(self._pieces)
+        if self._rules.trim_newline and text.endswith("\n"):
+            text = text[:-1]
+        self._writer.value(self._key, convert_value(text, self._schema, self._rules.untyped))
+
+
+def boundaries(
+    closing: str, implicit: Sequence[str], *, lookahead: Sequence[Boundary] = ()
+) -> tuple[Boundary, ...]:
+    """The closing tag plus the tags that end a value missing it; ``lookahead`` overrides."""
+    by_tag = {b.tag: b for b in lookahead}
+    plain = [Boundary(closing, closes=True), *(Boundary(tag) for tag in implicit)]
+    return tuple(by_tag.get(b.tag, b) for b in plain)
