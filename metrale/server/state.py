@@ -19,6 +19,9 @@ class ServerSettings:
     request_timeout_s: float | None = None
     always_include_usage: bool = False
     max_stored_completions: int = 1000
+    tool_call_parser: str | None = None  # a registered format; None: tool calls stay text
+    reasoning_parser: str | None = None  # None: thinking stays in the content
+    reasoning_field: str = "reasoning_content"  # reasoning_content | reasoning | both
 
 
 @dataclass

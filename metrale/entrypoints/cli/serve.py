@@ -71,6 +71,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="add a usage chunk to every stream, as if stream_options.include_usage",
     )
     g.add_argument(
+        "--tool-call-parser",
+        help="how tool calls appear in the model's output: hermes, qwen3_coder, qwen3_xml, "
+        "gemma4, mistral, minimax_xml, bare_json, poolside_v1, auto (from the chat template) or "
+        "none (default: by model type, else auto)",
+    )
+    g.add_argument(
+        "--reasoning-parser",
+        help="split <think> blocks into reasoning_content: qwen3, deepseek_r1 or none "
+        "(default: by model type)",
+    )
+    g.add_argument(
+        "--reasoning-field",
+        default="reasoning_content",
+        choices=["reasoning_content", "reasoning", "both"],
+        help="the message field that carries the reasoning",
+    )
+    g.add_argument(
         "--engine-in-thread",
         action="store_true",
         help="run the engine core in a thread of the server process (debugging)",
@@ -88,6 +105,7 @@ async def _serve(args: argparse.Namespace) -> int:
     from metrale.config import ModelConfig
     from metrale.engine.client import EngineClient
     from metrale.frontend.async_llm import AsyncLLM
+    from metrale.frontend.parser_selection import choose_parsers
     from metrale.models import model_class_for
     from metrale.server.app import build_app
     from metrale.server.state import ServerSettings, ServerState
@@ -119,6 +137,15 @@ async def _serve(args: argparse.Namespace) -> int:
                 chat_template_path=config.chat_template,
                 model_type=config.model.model_type,
             )
+            template_text = "\n".join(t.text for t in tokenizer.chat_template.sources.values())
+            parsers = choose_parsers(
+                args.tool_call_parser, args.reasoning_parser, config.model.model_type, template_text
+            )
+            logger.info(
+                "tool-call parser: %s; reasoning parser: %s",
+                parsers.tool_call_parser or "none",
+                parsers.reasoning_parser or "none",
+            )
         with phase("scheduler"):
             llm = AsyncLLM(client, tokenizer)
             llm.start()
@@ -138,6 +165,9 @@ async def _serve(args: argparse.Namespace) -> int:
                 served_model_name=name,
                 request_timeout_s=args.request_timeout,
                 always_include_usage=args.always_include_usage,
+                tool_call_parser=parsers.tool_call_parser,
+                reasoning_parser=parsers.reasoning_parser,
+                reasoning_field=args.reasoning_field,
             )
             state = ServerState(
                 llm,

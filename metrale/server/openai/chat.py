@@ -12,6 +12,9 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from metrale.frontend.chat_output import ChatDelta, ChatOutputParser, ToolCallDelta
+from metrale.frontend.reasoning import make_reasoning_parser
+from metrale.frontend.tool_parsers import make_tool_parser, tool_specs
 from metrale.server import sse
 from metrale.server.errors import APIError, parse_body
 from metrale.server.generation import (
@@ -65,7 +68,7 @@ def render_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return rendered
 
 
-def build_prompt(state: ServerState, body: ChatCompletionRequest) -> list[int]:
+def build_prompt(state: ServerState, body: ChatCompletionRequest) -> tuple[str, list[int]]:
     try:
         text = state.tokenizer.apply_chat_template(
             render_messages(body.messages),
@@ -78,7 +81,82 @@ def build_prompt(state: ServerState, body: ChatCompletionRequest) -> list[int]:
         raise APIError(
             f"the chat template could not render these messages: {e}", param="messages"
         ) from None
-    return state.tokenizer.encode(text, add_special_tokens=False)
+    return text, state.tokenizer.encode(text, add_special_tokens=False)
+
+
+def check_tool_choice(body: ChatCompletionRequest) -> None:
+    choice = body.tool_choice
+    if choice is None or choice in ("auto", "none"):
+        return
+    if choice == "required" or isinstance(choice, dict):
+        raise APIError(
+            "tool_choice 'required' and named functions need grammar-constrained decoding, which "
+            "this server does not have yet; use tool_choice 'auto'",
+            param="tool_choice",
+        )
+    raise APIError(
+        f"tool_choice={choice!r}: use 'auto', 'none', 'required' or a named function",
+        param="tool_choice",
+    )
+
+
+def output_parser(
+    state: ServerState, body: ChatCompletionRequest, prompt_text: str, request_id: str
+) -> ChatOutputParser:
+    """The reasoning and tool-call parsing one choice's text goes through."""
+    settings = state.settings
+    reasoning = None
+    if settings.reasoning_parser is not None:
+        reasoning = make_reasoning_parser(settings.reasoning_parser, prompt=prompt_text)
+    tools = None
+    if body.tools and body.tool_choice != "none" and settings.tool_call_parser is not None:
+        tools = make_tool_parser(
+            settings.tool_call_parser,
+            tools=tool_specs(body.tools),
+            id_prefix=f"call_{request_id[-8:]}_",
+        )
+    return ChatOutputParser(reasoning, tools)
+
+
+def message_fields(state: ServerState, delta: ChatDelta) -> dict[str, Any]:
+    """A message (or a streamed delta) in OpenAI's shape, reasoning under the chosen name."""
+    fields: dict[str, Any] = {}
+    if delta.reasoning:
+        field_choice = state.settings.reasoning_field
+        for name in ("reasoning_content", "reasoning"):
+            if field_choice in (name, "both"):
+                fields[name] = delta.reasoning
+    if delta.content:
+        fields["content"] = delta.content
+    if delta.tool_calls:
+        fields["tool_calls"] = [_tool_call_fields(call) for call in delta.tool_calls]
+    return fields
+
+
+def _tool_call_fields(call: ToolCallDelta) -> dict[str, Any]:
+    if call.name is None:
+        return {"index": call.index, "function": {"arguments": call.arguments}}
+    return {
+        "index": call.index,
+        "id": call.id,
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments},
+    }
+
+
+def merge(into: ChatDelta, more: ChatDelta) -> None:
+    into.reasoning += more.reasoning
+    into.content += more.content
+    for call in more.tool_calls:
+        last = into.tool_calls[-1] if into.tool_calls else None
+        if last is not None and last.index == call.index and call.name is None:
+            last.arguments += call.arguments
+        else:
+            into.tool_calls.append(call)
+
+
+def finish_reason(reason: str | None, parser: ChatOutputParser) -> str | None:
+    return "tool_calls" if reason == "stop" and parser.num_tool_calls else reason
 
 
 @router.post("/v1/chat/completions")
@@ -87,7 +165,8 @@ async def create_chat_completion(request: Request) -> Any:
     body = await parse_body(request, ChatCompletionRequest)
     state.check_model(body.model)
     state.check_alive()
-    prompt_ids = build_prompt(state, body)
+    check_tool_choice(body)
+    prompt_text, prompt_ids = build_prompt(state, body)
     max_tokens = body.max_completion_tokens or body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     try:
@@ -100,16 +179,20 @@ async def create_chat_completion(request: Request) -> Any:
         raise APIError(str(e)) from None
     prompt = prepare(state, new_id("chatcmpl"), prompt_ids, params, body.n)
     model = state.settings.served_model_name
+    parsers = [output_parser(state, body, prompt_text, prompt.request_id) for _ in range(body.n)]
     if body.stream:
         include_usage = state.settings.always_include_usage or bool(
             body.stream_options and body.stream_options.include_usage
         )
         return StreamingResponse(
-            _stream(state, prompt, body, model, include_usage), media_type="text/event-stream"
+            _stream(state, prompt, body, model, include_usage, parsers),
+            media_type="text/event-stream",
         )
     try:
         result = await until_disconnected(
-            request, _complete(state, prompt, body, model), state.settings.request_timeout_s
+            request,
+            _complete(state, prompt, body, model, parsers),
+            state.settings.request_timeout_s,
         )
     except APIError:
         raise
@@ -121,14 +204,25 @@ async def create_chat_completion(request: Request) -> Any:
 
 
 async def _complete(
-    state: ServerState, prompt: PreparedPrompt, body: ChatCompletionRequest, model: str
+    state: ServerState,
+    prompt: PreparedPrompt,
+    body: ChatCompletionRequest,
+    model: str,
+    parsers: list[ChatOutputParser],
 ) -> dict[str, Any]:
     choices = [Choice(i) for i in range(body.n)]
+    messages = [ChatDelta() for _ in range(body.n)]
     usage = Usage(prompt_tokens=len(prompt.prompt_token_ids))
     async for index, delta in stream_deltas(state, [prompt]):
         choices[index].add(delta)
+        merge(messages[index], parsers[index].feed(delta.text))
+        if delta.finished:
+            merge(messages[index], parsers[index].finish())
         usage.cached_tokens = delta.num_cached_tokens
     usage.completion_tokens = sum(len(c.token_ids) for c in choices)
+    usage.reasoning_tokens = sum(
+        len(state.tokenizer.encode(m.reasoning, add_special_tokens=False)) for m in messages
+    )
     return {
         "id": prompt.request_id,
         "object": "chat.completion",
@@ -137,7 +231,11 @@ async def _complete(
         "choices": [
             {
                 "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
+                "message": {
+                    "role": "assistant",
+                    "content": None if m.tool_calls and not m.content else m.content,
+                    **message_fields(state, m),
+                },
                 "logprobs": None
                 if c.logprobs is None
                 else {
@@ -145,10 +243,10 @@ async def _complete(
                         c.token_ids, c.logprobs, state.tokenizer, body.top_logprobs or 0
                     )
                 },
-                "finish_reason": c.finish_reason,
+                "finish_reason": finish_reason(c.finish_reason, parser),
                 "stop_reason": c.stop_reason,
             }
-            for c in choices
+            for c, m, parser in zip(choices, messages, parsers, strict=True)
         ],
         "usage": usage.body(),
         "metadata": body.metadata,
@@ -161,6 +259,7 @@ async def _stream(
     body: ChatCompletionRequest,
     model: str,
     include_usage: bool,
+    parsers: list[ChatOutputParser],
 ) -> AsyncIterator[str]:
     created = int(time.time())
     usage = Usage(prompt_tokens=len(prompt.prompt_token_ids))
@@ -194,11 +293,18 @@ async def _stream(
             async for index, delta in stream_deltas(state, [prompt]):
                 usage.completion_tokens += len(delta.token_ids)
                 usage.cached_tokens = delta.num_cached_tokens
-                if not delta.text and not delta.finished and delta.logprobs is None:
+                parsed = parsers[index].feed(delta.text)
+                if delta.finished:
+                    merge(parsed, parsers[index].finish())
+                if parsed.reasoning:
+                    usage.reasoning_tokens += len(
+                        state.tokenizer.encode(parsed.reasoning, add_special_tokens=False)
+                    )
+                if not parsed and not delta.finished and delta.logprobs is None:
                     continue
                 choice: dict[str, Any] = {
                     "index": index,
-                    "delta": {"content": delta.text} if delta.text else {},
+                    "delta": message_fields(state, parsed),
                     "logprobs": None
                     if delta.logprobs is None
                     else {
@@ -206,7 +312,7 @@ async def _stream(
                             delta.token_ids, delta.logprobs, state.tokenizer, body.top_logprobs or 0
                         )
                     },
-                    "finish_reason": delta.finish_reason,
+                    "finish_reason": finish_reason(delta.finish_reason, parsers[index]),
                 }
                 if delta.finished:
                     choice["stop_reason"] = delta.stop_reason

@@ -1,0 +1,183 @@
+"""Tool calls and reasoning through the chat route, driven by a scripted engine.
+
+The engine is faked at its boundary (the `AsyncLLM` the routes call): it replies with a fixed
+text split into pieces, as a model's tokens would arrive, so the test controls exactly what the
+parsers see; everything from the HTTP request to the SSE frames is the real server.
+"""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import openai
+import pytest
+from fastapi.testclient import TestClient
+
+from metrale.engine_args import EngineArgs
+from metrale.frontend.output_processor import CompletionDelta
+from metrale.server.app import build_app
+from metrale.server.state import ServerSettings, ServerState
+from metrale.tokenizer import Tokenizer
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+        },
+    },
+}
+USER = [{"role": "user", "content": "Weather in Paris?"}]
+TOOL_REPLY = (
+    "<think>The user wants weather.</think>Let me check.<tool_call>\n"
+    '{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
+)
+
+
+class ScriptedLLM:
+    """Replies to every request with `text`, delivered `piece_len` characters at a time."""
+
+    is_alive = True
+    client = SimpleNamespace(kv_cache=None, dead_reason=None)
+
+    def __init__(self, text: str, piece_len: int) -> None:
+        self.text, self.piece_len = text, piece_len
+
+    async def generate(self, request):
+        pieces = [
+            self.text[i : i + self.piece_len] for i in range(0, len(self.text), self.piece_len)
+        ]
+        for i, piece in enumerate(pieces):
+            last = i == len(pieces) - 1
+            yield CompletionDelta(
+                request.request_id,
+                [7],
+                piece,
+                None,
+                finish_reason="stop" if last else None,
+                num_prompt_tokens=len(request.prompt_token_ids),
+            )
+
+
+def client_for(qwen3_dir, text, piece_len=1, **settings) -> openai.OpenAI:
+    config = EngineArgs(
+        model_from_path=str(qwen3_dir), device="cpu", max_seq_len=512
+    ).create_config()
+    tokenizer = Tokenizer.from_dir(qwen3_dir)
+    state = ServerState(
+        ScriptedLLM(text, piece_len),
+        tokenizer,
+        config,
+        ServerSettings(served_model_name="m", **settings),
+    )
+    return openai.OpenAI(
+        base_url="http://testserver/v1",
+        api_key="x",
+        max_retries=0,
+        http_client=TestClient(build_app(state)),
+    )
+
+
+PARSERS = {"tool_call_parser": "hermes", "reasoning_parser": "qwen3"}
+
+
+def streamed(client, **kwargs):
+    reasoning, content, calls, finish = "", "", {}, None
+    for chunk in client.chat.completions.create(model="m", messages=USER, stream=True, **kwargs):
+        choice = chunk.choices[0]
+        delta = choice.delta
+        reasoning += (delta.model_extra or {}).get("reasoning_content") or ""
+        content += delta.content or ""
+        for call in delta.tool_calls or []:
+            entry = calls.setdefault(call.index, {"id": None, "name": None, "arguments": ""})
+            if call.id:
+                assert entry["id"] is None and entry["arguments"] == "", "name comes first"
+                entry["id"], entry["name"] = call.id, call.function.name
+            entry["arguments"] += call.function.arguments or ""
+        finish = choice.finish_reason or finish
+    return reasoning, content, list(calls.values()), finish
+
+
+@pytest.mark.parametrize("piece_len", [1, 3, 17, 1000])
+def test_tool_call_streamed_equals_non_streamed(qwen3_dir, piece_len):
+    client = client_for(qwen3_dir, TOOL_REPLY, piece_len, **PARSERS)
+    full = client.chat.completions.create(model="m", messages=USER, tools=[WEATHER_TOOL])
+    message = full.choices[0].message
+    assert full.choices[0].finish_reason == "tool_calls"
+    assert message.content == "Let me check."
+    assert message.model_extra["reasoning_content"] == "The user wants weather."
+    (call,) = message.tool_calls
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris", "days": 2}
+    assert full.usage.completion_tokens_details.reasoning_tokens > 0
+
+    reasoning, content, calls, finish = streamed(client, tools=[WEATHER_TOOL])
+    assert (reasoning, content, finish) == (
+        "The user wants weather.",
+        "Let me check.",
+        "tool_calls",
+    )
+    assert [(c["name"], c["arguments"]) for c in calls] == [
+        ("get_weather", call.function.arguments)
+    ]
+    assert calls[0]["id"].startswith("call_") and calls[0]["id"] != call.id  # one per request
+
+
+def test_tool_choice_none_leaves_the_text_alone(qwen3_dir):
+    client = client_for(qwen3_dir, TOOL_REPLY, 5, **PARSERS)
+    out = client.chat.completions.create(
+        model="m", messages=USER, tools=[WEATHER_TOOL], tool_choice="none"
+    )
+    assert out.choices[0].message.tool_calls is None
+    assert "<tool_call>" in out.choices[0].message.content
+    assert out.choices[0].finish_reason == "stop"
+
+
+def test_required_tool_choice_is_refused_clearly(qwen3_dir):
+    client = client_for(qwen3_dir, TOOL_REPLY, 5, **PARSERS)
+    with pytest.raises(openai.BadRequestError, match="grammar-constrained"):
+        client.chat.completions.create(
+            model="m", messages=USER, tools=[WEATHER_TOOL], tool_choice="required"
+        )
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "Par',  # cut off at EOS
+        "<tool_call>not json at all</tool_call> and more",
+        "<tool_call>",
+        '<tool_call>{"name": "get_weather", "arguments": {}}</tool_call>'
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>',
+    ],
+)
+def test_malformed_model_output_never_breaks_the_response(qwen3_dir, text):
+    for piece_len in (1, 4, 1000):
+        client = client_for(qwen3_dir, text, piece_len, **PARSERS)
+        full = client.chat.completions.create(model="m", messages=USER, tools=[WEATHER_TOOL])
+        _, content, calls, _ = streamed(client, tools=[WEATHER_TOOL])
+        message = full.choices[0].message
+        assert content == (message.content or "")
+        assert [(c["name"], c["arguments"]) for c in calls] == [
+            (c.function.name, c.function.arguments) for c in message.tool_calls or []
+        ]
+        for call in message.tool_calls or []:
+            json.loads(call.function.arguments)  # always valid JSON when it is a call
+
+
+def test_reasoning_field_choice(qwen3_dir):
+    client = client_for(
+        qwen3_dir, "<think>hmm</think>Hi!", 2, reasoning_parser="qwen3", reasoning_field="both"
+    )
+    message = client.chat.completions.create(model="m", messages=USER).choices[0].message
+    assert message.content == "Hi!"
+    assert message.model_extra["reasoning_content"] == message.model_extra["reasoning"] == "hmm"
+    plain = client_for(qwen3_dir, "<think>hmm</think>Hi!", 2)
+    assert (
+        plain.chat.completions.create(model="m", messages=USER).choices[0].message.content
+        == "<think>hmm</think>Hi!"
+    )
