@@ -12,6 +12,24 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
+class ThinkingBudget:
+    """At most `max_tokens` tokens inside thinking blocks; then `end_token_id` is forced.
+
+    `starts_inside`: the prompt (the chat template) already opened the block, so the output
+    begins inside it.
+    """
+
+    max_tokens: int
+    start_token_id: int
+    end_token_id: int
+    starts_inside: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 0:
+            _fail("thinking budget", self.max_tokens, "must be >= 0")
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How to pick each next token and when to stop.
 
@@ -41,6 +59,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    thinking: ThinkingBudget | None = None
 
     MAX_LOGPROBS = 20
 

@@ -41,6 +41,10 @@ class Request:
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
+        thinking = self.sampling_params.thinking
+        # Thinking-budget state; it follows from the tokens, so it survives preemption as is.
+        self.inside_thinking = thinking is not None and thinking.starts_inside
+        self.num_thinking_tokens = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -61,3 +65,21 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        thinking = self.sampling_params.thinking
+        if thinking is None:
+            return
+        if not self.inside_thinking:
+            self.inside_thinking = token_id == thinking.start_token_id
+        elif token_id == thinking.end_token_id:
+            self.inside_thinking = False
+        else:
+            self.num_thinking_tokens += 1
+
+    @property
+    def thinking_budget_spent(self) -> bool:
+        thinking = self.sampling_params.thinking
+        return (
+            thinking is not None
+            and self.inside_thinking
+            and self.num_thinking_tokens >= thinking.max_tokens
+        )

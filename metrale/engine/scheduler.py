@@ -162,6 +162,9 @@ class Scheduler:
             sampling_params=params,
             banned_token_ids=banned,
             token_history=history,
+            forced_token_id=params.thinking.end_token_id
+            if params.thinking is not None and request.thinking_budget_spent
+            else None,
         )
 
     def _check_stop(self, request: Request, token_id: int) -> FinishReason | None:

@@ -38,6 +38,7 @@ class ScheduledChunk:
     sampling_params: SamplingParams
     banned_token_ids: tuple[int, ...] = ()  # stop tokens masked until min_tokens is reached
     token_history: TokenHistory | None = None  # what the penalties count
+    forced_token_id: int | None = None  # the only token this step may sample (thinking budget)
 
     @property
     def num_tokens(self) -> int:

@@ -55,6 +55,15 @@ def register_reasoning_format(name: str, fmt: ReasoningFormat) -> None:
     _FORMATS[name] = fmt
 
 
+def reasoning_format(name: str) -> ReasoningFormat:
+    fmt = _FORMATS.get(name)
+    if fmt is None:
+        raise ValueError(
+            f"unknown reasoning parser {name!r}; known: {', '.join(reasoning_parser_names())}"
+        )
+    return fmt
+
+
 def reasoning_parser_names() -> list[str]:
     return sorted(_FORMATS)
 

@@ -193,6 +193,11 @@ class ModelRunner:
             max_num_logprobs=max(logprobs) if logprobs else None,
             logit_bias=self._logit_bias(params),
             penalties=self._penalties(chunks),
+            forced=[
+                (row, c.forced_token_id)
+                for row, c in enumerate(chunks)
+                if c.forced_token_id is not None
+            ],
         )
 
     def _logit_bias(self, params: list[SamplingParams]) -> LogitBias | None:

@@ -11,7 +11,7 @@ shares the batch. Nothing here syncs with the host.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -55,6 +55,7 @@ class SamplingMetadata:
     max_num_logprobs: int | None  # largest top-N asked in the batch; None: no logprobs
     logit_bias: LogitBias | None = None  # None: no row has a logit bias
     penalties: Penalties | None = None  # None: no row has penalties
+    forced: list[tuple[int, int]] = field(default_factory=list)  # (row, the only token allowed)
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,9 @@ def _adjust_logits(logits: torch.Tensor, meta: SamplingMetadata) -> None:
         logits.index_put_((bias.rows, bias.token_ids), bias.values, accumulate=True)
     if meta.penalties is not None:
         _apply_penalties(logits, meta.penalties)
+    for row, token_id in meta.forced:  # a spent thinking budget: only the block's end remains
+        logits[row].fill_(float("-inf"))
+        logits[row, token_id] = 0.0
 
 
 def _apply_penalties(logits: torch.Tensor, penalties: Penalties) -> None:

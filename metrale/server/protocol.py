@@ -147,6 +147,7 @@ class ChatCompletionRequest(SamplingFields):
     store: bool = False
     metadata: dict[str, str] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     echo: bool = False

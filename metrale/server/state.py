@@ -22,6 +22,8 @@ class ServerSettings:
     tool_call_parser: str | None = None  # a registered format; None: tool calls stay text
     reasoning_parser: str | None = None  # None: thinking stays in the content
     reasoning_field: str = "reasoning_content"  # reasoning_content | reasoning | both
+    max_thinking_budget: int | None = None  # tokens; None: think as long as the model likes
+    disable_thinking: bool = False
 
 
 @dataclass

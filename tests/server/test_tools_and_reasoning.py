@@ -181,3 +181,59 @@ def test_reasoning_field_choice(qwen3_dir):
         plain.chat.completions.create(model="m", messages=USER).choices[0].message.content
         == "<think>hmm</think>Hi!"
     )
+
+
+class RecordingLLM(ScriptedLLM):
+    """A scripted engine that keeps the requests it was given."""
+
+    def __init__(self, text: str, piece_len: int) -> None:
+        super().__init__(text, piece_len)
+        self.requests = []
+
+    async def generate(self, request):
+        self.requests.append(request)
+        async for delta in super().generate(request):
+            yield delta
+
+
+def recording_client(qwen3_dir, **settings):
+    config = EngineArgs(
+        model_from_path=str(qwen3_dir), device="cpu", max_seq_len=512
+    ).create_config()
+    llm = RecordingLLM("<think>x</think>y", 4)
+    state = ServerState(
+        llm,
+        Tokenizer.from_dir(qwen3_dir),
+        config,
+        ServerSettings(served_model_name="m", **settings),
+    )
+    return llm, TestClient(build_app(state))
+
+
+def test_reasoning_effort_and_server_cap_become_a_thinking_budget(qwen3_dir):
+    llm, http = recording_client(qwen3_dir, reasoning_parser="qwen3", max_thinking_budget=2000)
+    body = {"model": "m", "messages": USER, "max_tokens": 5}
+    assert http.post("/v1/chat/completions", json={**body, "reasoning_effort": "low"}).is_success
+    assert http.post("/v1/chat/completions", json={**body, "reasoning_effort": "high"}).is_success
+    assert http.post("/v1/chat/completions", json=body).is_success
+    budgets = [r.sampling_params.thinking for r in llm.requests]
+    assert [b.max_tokens for b in budgets] == [1024, 2000, 2000]  # the tighter limit wins
+    tokenizer = Tokenizer.from_dir(qwen3_dir)
+    assert budgets[0].start_token_id == tokenizer.token_to_id("<think>")
+    assert budgets[0].end_token_id == tokenizer.token_to_id("</think>")
+
+
+def test_disable_thinking_renders_every_prompt_without_it(qwen3_dir):
+    llm, http = recording_client(qwen3_dir, reasoning_parser="qwen3", disable_thinking=True)
+    http.post(
+        "/v1/chat/completions",
+        json={
+            "model": "m",
+            "messages": USER,
+            "max_tokens": 5,
+            "chat_template_kwargs": {"enable_thinking": True},
+        },
+    )
+    tokenizer = Tokenizer.from_dir(qwen3_dir)
+    prompt = tokenizer.decode(llm.requests[0].prompt_token_ids, skip_special_tokens=False)
+    assert prompt.endswith("<think>\n\n</think>\n\n"), "the template's thinking-off form"

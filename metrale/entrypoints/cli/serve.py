@@ -88,6 +88,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the message field that carries the reasoning",
     )
     g.add_argument(
+        "--max-thinking-budget",
+        type=int,
+        metavar="TOKENS",
+        help="close a thinking block by forcing </think> once it has this many tokens "
+        "(requests can ask for less with reasoning_effort)",
+    )
+    g.add_argument(
+        "--disable-thinking",
+        action="store_true",
+        help="render every prompt with enable_thinking=false (a kill switch)",
+    )
+    g.add_argument(
         "--engine-in-thread",
         action="store_true",
         help="run the engine core in a thread of the server process (debugging)",
@@ -168,6 +180,8 @@ async def _serve(args: argparse.Namespace) -> int:
                 tool_call_parser=parsers.tool_call_parser,
                 reasoning_parser=parsers.reasoning_parser,
                 reasoning_field=args.reasoning_field,
+                max_thinking_budget=args.max_thinking_budget,
+                disable_thinking=args.disable_thinking,
             )
             state = ServerState(
                 llm,

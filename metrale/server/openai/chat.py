@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator
@@ -13,8 +14,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from metrale.frontend.chat_output import ChatDelta, ChatOutputParser, ToolCallDelta
-from metrale.frontend.reasoning import make_reasoning_parser
+from metrale.frontend.reasoning import (
+    make_reasoning_parser,
+    prompt_opens_reasoning,
+    reasoning_format,
+)
 from metrale.frontend.tool_parsers import make_tool_parser, tool_specs
+from metrale.sampling_params import ThinkingBudget
 from metrale.server import sse
 from metrale.server.errors import APIError, parse_body
 from metrale.server.generation import (
@@ -68,6 +74,41 @@ def render_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return rendered
 
 
+# `reasoning_effort` as a thinking budget in tokens; "none" turns thinking off in the template.
+EFFORT_BUDGETS = {"minimal": 256, "low": 1024, "medium": 4096, "high": 16384}
+
+
+def template_kwargs(state: ServerState, body: ChatCompletionRequest) -> dict[str, Any]:
+    kwargs = dict(body.chat_template_kwargs or {})
+    if state.settings.disable_thinking or body.reasoning_effort == "none":
+        kwargs["enable_thinking"] = False
+    return kwargs
+
+
+def thinking_budget(
+    state: ServerState, body: ChatCompletionRequest, prompt_text: str
+) -> ThinkingBudget | None:
+    """The tokens this request may think for: the tighter of its effort and the server's cap."""
+    settings = state.settings
+    limits = [
+        b
+        for b in (EFFORT_BUDGETS.get(body.reasoning_effort or ""), settings.max_thinking_budget)
+        if b is not None
+    ]
+    if not limits or settings.reasoning_parser is None:
+        return None
+    fmt = reasoning_format(settings.reasoning_parser)
+    start, end = (
+        state.tokenizer.token_to_id(fmt.start_tag),
+        state.tokenizer.token_to_id(fmt.end_tag),
+    )
+    if start is None or end is None:  # tags that are not single tokens cannot be forced
+        return None
+    return ThinkingBudget(
+        min(limits), start, end, starts_inside=prompt_opens_reasoning(prompt_text, fmt)
+    )
+
+
 def build_prompt(state: ServerState, body: ChatCompletionRequest) -> tuple[str, list[int]]:
     try:
         text = state.tokenizer.apply_chat_template(
@@ -75,7 +116,7 @@ def build_prompt(state: ServerState, body: ChatCompletionRequest) -> tuple[str, 
             tools=body.tools,
             add_generation_prompt=body.add_generation_prompt,
             continue_final_message=body.continue_final_message,
-            **(body.chat_template_kwargs or {}),
+            **template_kwargs(state, body),
         )
     except ChatTemplateError as e:
         raise APIError(
@@ -177,6 +218,8 @@ async def create_chat_completion(request: Request) -> Any:
         )
     except ValueError as e:
         raise APIError(str(e)) from None
+    if (budget := thinking_budget(state, body, prompt_text)) is not None:
+        params = dataclasses.replace(params, thinking=budget)
     prompt = prepare(state, new_id("chatcmpl"), prompt_ids, params, body.n)
     model = state.settings.served_model_name
     parsers = [output_parser(state, body, prompt_text, prompt.request_id) for _ in range(body.n)]
