@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from metrale.kernels.paged_checks import check_paged_inputs
+
 # A split this short spends more on its partial (write + reduce) than on its keys.
 _MIN_PARTITION_TOKENS = 256
 # Keeps the reduce kernel's [num_splits, head_dim] tile in registers.
@@ -198,7 +200,8 @@ def paged_decode_attention(
     """
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
-    _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, sliding_window)
+    check_paged_inputs(q, k_cache, v_cache, block_tables, seq_lens, sliding_window)
+    assert q.shape[0] == seq_lens.shape[0], "decode takes one query row per sequence"
     assert cache_head_dim == head_dim, f"q head_dim {head_dim} != cache head_dim {cache_head_dim}"
     if out is None:
         out = torch.empty_like(q)
@@ -266,50 +269,6 @@ def paged_decode_attention(
         HEAD_DIM=head_dim,
     )
     return out
-
-
-def _check_inputs(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    sliding_window: int | None,
-) -> None:
-    num_seqs, num_heads, head_dim = q.shape
-    assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape, (
-        f"caches must both be [num_blocks, block_size, num_kv_heads, head_dim], got "
-        f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
-    )
-    assert k_cache.is_contiguous() and v_cache.is_contiguous(), "caches must be contiguous"
-    assert q.dtype == k_cache.dtype == v_cache.dtype, (
-        f"q {q.dtype} and caches {k_cache.dtype}/{v_cache.dtype} must share a dtype"
-    )
-    assert q.dtype in (torch.float16, torch.bfloat16, torch.float32), f"unsupported {q.dtype}"
-    assert q.stride(2) == 1, "q's head_dim must be contiguous"
-    num_kv_heads = k_cache.shape[2]
-    assert num_heads % num_kv_heads == 0, (
-        f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}"
-    )
-    assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, (
-        f"head_dim {head_dim} must be a power of two >= 16"
-    )
-    assert block_tables.dim() == 2 and block_tables.shape[0] == num_seqs, (
-        f"block_tables must be [{num_seqs}, max_blocks], got {tuple(block_tables.shape)}"
-    )
-    assert block_tables.dtype in (torch.int32, torch.int64) and block_tables.stride(1) == 1, (
-        "block_tables must be int32/int64 with contiguous rows"
-    )
-    assert seq_lens.shape == (num_seqs,) and seq_lens.dtype in (torch.int32, torch.int64), (
-        f"seq_lens must be [{num_seqs}] int32/int64, got {tuple(seq_lens.shape)} {seq_lens.dtype}"
-    )
-    assert seq_lens.is_contiguous(), "seq_lens must be contiguous"
-    assert sliding_window is None or sliding_window > 0, (
-        f"sliding_window {sliding_window} must be positive or None"
-    )
-    assert q.device == k_cache.device == block_tables.device == seq_lens.device, (
-        "tensors on different devices"
-    )
 
 
 def paged_decode_attention_ref(

@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from metrale.kernels.paged_checks import check_paged_inputs
+
 
 @triton.jit
 def _paged_prefill_kernel(
@@ -200,44 +202,12 @@ def _check_inputs(
     seq_lens: torch.Tensor,
     sliding_window: int | None,
 ) -> None:
-    _, num_heads, head_dim = q.shape
+    check_paged_inputs(q, k_cache, v_cache, block_tables, seq_lens, sliding_window)
     num_seqs = seq_lens.shape[0]
-    assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape, (
-        f"caches must both be [num_blocks, block_size, num_kv_heads, head_dim], got "
-        f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+    assert query_start_loc.shape == (num_seqs + 1,) and query_start_loc.is_contiguous(), (
+        f"query_start_loc must be contiguous [{num_seqs + 1}], got {tuple(query_start_loc.shape)}"
     )
-    assert k_cache.is_contiguous() and v_cache.is_contiguous(), "caches must be contiguous"
-    assert q.dtype == k_cache.dtype == v_cache.dtype, (
-        f"q {q.dtype} and caches {k_cache.dtype}/{v_cache.dtype} must share a dtype"
-    )
-    assert q.dtype in (torch.float16, torch.bfloat16, torch.float32), f"unsupported {q.dtype}"
-    assert q.stride(2) == 1, "q's head_dim must be contiguous"
-    num_kv_heads = k_cache.shape[2]
-    assert num_heads % num_kv_heads == 0, (
-        f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}"
-    )
-    assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, (
-        f"head_dim {head_dim} must be a power of two >= 16"
-    )
-    assert block_tables.dim() == 2 and block_tables.shape[0] == num_seqs, (
-        f"block_tables must be [{num_seqs}, max_blocks], got {tuple(block_tables.shape)}"
-    )
-    assert block_tables.dtype in (torch.int32, torch.int64) and block_tables.stride(1) == 1, (
-        "block_tables must be int32/int64 with contiguous rows"
-    )
-    for name, t, n in (
-        ("query_start_loc", query_start_loc, num_seqs + 1),
-        ("seq_lens", seq_lens, num_seqs),
-    ):
-        assert t.shape == (n,) and t.dtype in (torch.int32, torch.int64) and t.is_contiguous(), (
-            f"{name} must be contiguous [{n}] int32/int64, got {tuple(t.shape)} {t.dtype}"
-        )
-    assert sliding_window is None or sliding_window > 0, (
-        f"sliding_window {sliding_window} must be positive or None"
-    )
-    assert q.device == k_cache.device == block_tables.device == seq_lens.device, (
-        "tensors on different devices"
-    )
+    assert query_start_loc.dtype in (torch.int32, torch.int64), "query_start_loc: int32/int64"
     assert query_start_loc.device == q.device, "query_start_loc on a different device"
 
 

@@ -1,0 +1,52 @@
+"""Launch-time checks shared by the kernels that read the paged KV cache."""
+
+from __future__ import annotations
+
+import torch
+
+
+def check_paged_inputs(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sliding_window: int | None,
+) -> None:
+    """q: [num_rows, num_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads,
+    head_dim]; block_tables: [num_seqs, max_blocks]; seq_lens: [num_seqs]."""
+    _, num_heads, head_dim = q.shape
+    num_seqs = seq_lens.shape[0]
+    assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape, (
+        f"caches must both be [num_blocks, block_size, num_kv_heads, head_dim], got "
+        f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+    )
+    assert k_cache.is_contiguous() and v_cache.is_contiguous(), "caches must be contiguous"
+    assert q.dtype == k_cache.dtype == v_cache.dtype, (
+        f"q {q.dtype} and caches {k_cache.dtype}/{v_cache.dtype} must share a dtype"
+    )
+    assert q.dtype in (torch.float16, torch.bfloat16, torch.float32), f"unsupported {q.dtype}"
+    assert q.stride(2) == 1, "q's head_dim must be contiguous"
+    num_kv_heads = k_cache.shape[2]
+    assert num_heads % num_kv_heads == 0, (
+        f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}"
+    )
+    assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, (
+        f"head_dim {head_dim} must be a power of two >= 16"
+    )
+    assert block_tables.dim() == 2 and block_tables.shape[0] == num_seqs, (
+        f"block_tables must be [{num_seqs}, max_blocks], got {tuple(block_tables.shape)}"
+    )
+    assert block_tables.dtype in (torch.int32, torch.int64) and block_tables.stride(1) == 1, (
+        "block_tables must be int32/int64 with contiguous rows"
+    )
+    assert seq_lens.dim() == 1 and seq_lens.dtype in (torch.int32, torch.int64), (
+        f"seq_lens must be [num_seqs] int32/int64, got {tuple(seq_lens.shape)} {seq_lens.dtype}"
+    )
+    assert seq_lens.is_contiguous(), "seq_lens must be contiguous"
+    assert sliding_window is None or sliding_window > 0, (
+        f"sliding_window {sliding_window} must be positive or None"
+    )
+    assert q.device == k_cache.device == block_tables.device == seq_lens.device, (
+        "tensors on different devices"
+    )
