@@ -10,6 +10,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from metrale.server import ops
+from metrale.server.anthropic import messages as anthropic_messages
+from metrale.server.anthropic.errors import shaped_response
 from metrale.server.errors import APIError, http_status_error
 from metrale.server.openai import chat, completions, models
 from metrale.server.state import ServerState
@@ -22,25 +24,27 @@ def build_app(state: ServerState) -> FastAPI:
     app.state.server = state
     for router in (chat.router, completions.router, models.router, ops.router):
         app.include_router(router)
+    app.include_router(anthropic_messages.router)
 
     @app.exception_handler(APIError)
-    async def api_error(_: Request, e: APIError) -> JSONResponse:
-        return e.response()
+    async def api_error(request: Request, e: APIError) -> JSONResponse:
+        return shaped_response(request, e)
 
     @app.exception_handler(RequestValidationError)
-    async def request_validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
+    async def request_validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
         first = e.errors()[0] if e.errors() else {"loc": (), "msg": "invalid request"}
         param = ".".join(str(p) for p in first.get("loc", ()))
-        return APIError(f"{param}: {first.get('msg')}", 400, param=param or None).response()
+        error = APIError(f"{param}: {first.get('msg')}", 400, param=param or None)
+        return shaped_response(request, error)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+    async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
         detail = e.detail if isinstance(e.detail, str) else None
-        return http_status_error(e.status_code, detail).response()
+        return shaped_response(request, http_status_error(e.status_code, detail))
 
     @app.exception_handler(Exception)
     async def unexpected_error(request: Request, e: Exception) -> JSONResponse:
         logger.exception("unhandled error on %s %s", request.method, request.url.path)
-        return APIError(f"internal error: {type(e).__name__}", 500).response()
+        return shaped_response(request, APIError(f"internal error: {type(e).__name__}", 500))
 
     return app

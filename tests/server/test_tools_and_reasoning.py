@@ -237,3 +237,15 @@ def test_disable_thinking_renders_every_prompt_without_it(qwen3_dir):
     tokenizer = Tokenizer.from_dir(qwen3_dir)
     prompt = tokenizer.decode(llm.requests[0].prompt_token_ids, skip_special_tokens=False)
     assert prompt.endswith("<think>\n\n</think>\n\n"), "the template's thinking-off form"
+
+
+def test_anthropic_thinking_budget_tokens_become_the_engine_budget(qwen3_dir):
+    llm, http = recording_client(qwen3_dir, reasoning_parser="qwen3", max_thinking_budget=3000)
+    body = {"model": "m", "max_tokens": 20, "messages": USER}
+    for thinking in (
+        {"type": "enabled", "budget_tokens": 2048},
+        {"type": "enabled", "budget_tokens": 8192},
+        {"type": "disabled"},
+    ):
+        assert http.post("/v1/messages", json={**body, "thinking": thinking}).is_success
+    assert [r.sampling_params.thinking.max_tokens for r in llm.requests] == [2048, 3000, 3000]

@@ -86,22 +86,16 @@ def template_kwargs(state: ServerState, body: ChatCompletionRequest) -> dict[str
 
 
 def thinking_budget(
-    state: ServerState, body: ChatCompletionRequest, prompt_text: str
+    state: ServerState, requested_tokens: int | None, prompt_text: str
 ) -> ThinkingBudget | None:
-    """The tokens this request may think for: the tighter of its effort and the server's cap."""
+    """The tokens a request may think for: the tighter of what it asked and the server's cap."""
     settings = state.settings
-    limits = [
-        b
-        for b in (EFFORT_BUDGETS.get(body.reasoning_effort or ""), settings.max_thinking_budget)
-        if b is not None
-    ]
+    limits = [b for b in (requested_tokens, settings.max_thinking_budget) if b is not None]
     if not limits or settings.reasoning_parser is None:
         return None
     fmt = reasoning_format(settings.reasoning_parser)
-    start, end = (
-        state.tokenizer.token_to_id(fmt.start_tag),
-        state.tokenizer.token_to_id(fmt.end_tag),
-    )
+    start = state.tokenizer.token_to_id(fmt.start_tag)
+    end = state.tokenizer.token_to_id(fmt.end_tag)
     if start is None or end is None:  # tags that are not single tokens cannot be forced
         return None
     return ThinkingBudget(
@@ -218,7 +212,8 @@ async def create_chat_completion(request: Request) -> Any:
         )
     except ValueError as e:
         raise APIError(str(e)) from None
-    if (budget := thinking_budget(state, body, prompt_text)) is not None:
+    requested = EFFORT_BUDGETS.get(body.reasoning_effort or "")
+    if (budget := thinking_budget(state, requested, prompt_text)) is not None:
         params = dataclasses.replace(params, thinking=budget)
     prompt = prepare(state, new_id("chatcmpl"), prompt_ids, params, body.n)
     model = state.settings.served_model_name

@@ -1,0 +1,1 @@
+"""The Anthropic-compatible routes: the Messages API, served by the chat route's machinery."""

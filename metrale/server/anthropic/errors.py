@@ -1,0 +1,47 @@
+"""Errors in Anthropic's shape on the Anthropic routes, OpenAI's everywhere else.
+
+The shared machinery (body parsing, model and engine checks, prompt validation) raises
+`APIError`s with an HTTP status. On `/v1/messages*` the status picks the error type from
+Anthropic's documented table and the body becomes `{"type": "error", "error": {"type",
+"message"}}`, the shape the Anthropic SDKs read; the status itself is kept.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from metrale.server.errors import APIError
+
+ROUTE_PREFIX = "/v1/messages"
+
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    408: "timeout_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    529: "overloaded_error",
+}
+
+
+def error_type(status: int) -> str:
+    # Anthropic uses invalid_request_error for 4xx statuses its table does not list, and
+    # api_error is its "unexpected internal error": a dead engine is one (status 503).
+    return _ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+
+
+def error_body(e: APIError) -> dict[str, Any]:
+    return {"type": "error", "error": {"type": error_type(e.status), "message": e.message}}
+
+
+def shaped_response(request: Request, e: APIError) -> JSONResponse:
+    """`e` as the client of this route reads errors."""
+    path = request.url.path
+    if path == ROUTE_PREFIX or path.startswith(ROUTE_PREFIX + "/"):
+        return JSONResponse(error_body(e), status_code=e.status)
+    return e.response()
