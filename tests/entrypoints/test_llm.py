@@ -174,16 +174,26 @@ def test_thinking_budget_forces_the_block_closed(llm):
     from metrale.sampling_params import ThinkingBudget
 
     think, end_think = 3, 4  # the demo tokenizer's <think> and </think>
-    budget = ThinkingBudget(max_tokens=5, start_token_id=think, end_token_id=end_think,
-                            starts_inside=True)
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, thinking=budget,
-                            logit_bias={end_think: -100.0})  # the model would never close it
+    budget = ThinkingBudget(
+        max_tokens=5, start_token_id=think, end_token_id=end_think, starts_inside=True
+    )
+    params = SamplingParams(
+        temperature=0,
+        max_tokens=12,
+        ignore_eos=True,
+        thinking=budget,
+        logit_bias={end_think: -100.0},
+    )  # the model would never close it
     out = llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids
     assert out[5] == end_think and end_think not in out[:5]
     # A block the model opens itself is counted from its opener; a reopened one closes at once.
-    opener = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
-                            thinking=ThinkingBudget(2, think, end_think),
-                            logit_bias={think: 100.0, end_think: -100.0})
+    opener = SamplingParams(
+        temperature=0,
+        max_tokens=12,
+        ignore_eos=True,
+        thinking=ThinkingBudget(2, think, end_think),
+        logit_bias={think: 100.0, end_think: -100.0},
+    )
     out = llm.generate([[5, 6, 7]], opener, use_tqdm=False)[0].outputs[0].token_ids
     assert out[:1] == [think] and end_think in out
     first_close = out.index(end_think)
