@@ -63,10 +63,17 @@ class EngineConfig:
     is_demo: bool
     attention_backend: str = "torch"
     max_cuda_graph_batch: int = 0  # 0: no CUDA graphs
+    tokenizer_eos_token_id: int | None = None
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
-        return tuple(dict.fromkeys(self.generation.eos_token_ids + self.model.eos_token_ids))
+        """generation_config.json's, config.json's and the tokenizer's EOS, as vLLM takes them."""
+        tokenizer_eos = (
+            () if self.tokenizer_eos_token_id is None else (self.tokenizer_eos_token_id,)
+        )
+        return tuple(
+            dict.fromkeys(self.generation.eos_token_ids + self.model.eos_token_ids + tokenizer_eos)
+        )
 
 
 @dataclass
@@ -265,11 +272,20 @@ class EngineArgs:
             scheduler=scheduler,
             chat_template=Path(self.chat_template) if self.chat_template else None,
             is_demo=is_demo,
+            tokenizer_eos_token_id=_tokenizer_eos(model_dir),
             attention_backend=resolve_backend(self.attention_backend, device),
             max_cuda_graph_batch=0
             if self.enforce_eager or device.type != "cuda"
             else self.max_cuda_graph_batch,
         )
+
+
+def _tokenizer_eos(model_dir: Path) -> int | None:
+    if not (model_dir / "tokenizer.json").is_file():
+        return None  # dummy-weight benchmarks may ship config.json alone
+    from metrale.tokenizer import Tokenizer
+
+    return Tokenizer.from_dir(model_dir).eos_token_id
 
 
 def _resolve_device(name: str) -> torch.device:

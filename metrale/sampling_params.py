@@ -30,6 +30,28 @@ class ThinkingBudget:
 
 
 @dataclass(frozen=True)
+class StructuredOutput:
+    """A grammar the output must follow, enforced token by token (after any thinking block).
+
+    `kind`: `json` (`spec` a JSON schema, or None for any JSON object), `regex` or `grammar`
+    (EBNF). `prefix`/`suffix`: literal text around the structured part (a tool-call wrapper).
+    """
+
+    kind: str
+    spec: str | None = None
+    prefix: str = ""
+    suffix: str = ""
+
+    KINDS = ("json", "regex", "grammar")
+
+    def __post_init__(self) -> None:
+        if self.kind not in self.KINDS:
+            _fail("structured output kind", self.kind, f"must be one of {', '.join(self.KINDS)}")
+        if self.kind != "json" and not self.spec:
+            _fail("structured output", self.spec, f"a {self.kind} needs its text")
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How to pick each next token and when to stop.
 
@@ -60,6 +82,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     thinking: ThinkingBudget | None = None
+    structured: StructuredOutput | None = None
 
     MAX_LOGPROBS = 20
 

@@ -19,6 +19,7 @@ from metrale.engine_args import EngineConfig
 from metrale.runner.gpu_memory import kv_blocks_for_gpu
 from metrale.runner.model_loader import load_model
 from metrale.runner.model_runner import ModelRunner
+from metrale.runner.structured_output import StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +57,9 @@ class EngineCore:
             config.device,
             attention_backend=config.attention_backend,
             max_cuda_graph_batch=config.max_cuda_graph_batch,
+            structured_outputs=StructuredOutputs(
+                config.model_dir, config.model.vocab_size, config.eos_token_ids
+            ),
         )
         pool = BlockPool(config.cache.num_blocks, config.cache.enable_prefix_caching)
         scheduler = Scheduler(config.scheduler, KVCacheManager(pool, config.cache.block_size))
@@ -85,6 +89,8 @@ class EngineCore:
     def validate(self, request: EngineRequest) -> None:
         """Refuse what the engine cannot run, before it touches any engine state."""
         validate_request(self.config, request)
+        if (structured := request.sampling_params.structured) is not None:
+            self.runner.structured_outputs.validate(structured)
         if request.request_id in self.scheduler.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in the engine")
 

@@ -165,6 +165,7 @@ class Scheduler:
             forced_token_id=params.thinking.end_token_id
             if params.thinking is not None and request.thinking_budget_spent
             else None,
+            structured=None if request.inside_thinking else params.structured,
         )
 
     def _check_stop(self, request: Request, token_id: int) -> FinishReason | None:

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from metrale.engine.messages import TokenLogprobs
-from metrale.sampling_params import SamplingParams
+from metrale.sampling_params import SamplingParams, StructuredOutput
 
 
 class TokenHistory(NamedTuple):
@@ -39,6 +39,7 @@ class ScheduledChunk:
     banned_token_ids: tuple[int, ...] = ()  # stop tokens masked until min_tokens is reached
     token_history: TokenHistory | None = None  # what the penalties count
     forced_token_id: int | None = None  # the only token this step may sample (thinking budget)
+    structured: StructuredOutput | None = None  # the grammar this step's token must follow
 
     @property
     def num_tokens(self) -> int:

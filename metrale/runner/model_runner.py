@@ -19,6 +19,7 @@ from metrale.layers.attention import AttentionMetadata, StepBatch, metadata_buil
 from metrale.runner.cuda_graphs import DecodeGraphs
 from metrale.runner.input_buffers import InputBuffers
 from metrale.runner.sampler import LogitBias, Penalties, SamplerOutput, SamplingMetadata, sample
+from metrale.runner.structured_output import StructuredOutputs
 from metrale.sampling_params import SamplingParams
 
 
@@ -33,6 +34,7 @@ class ModelRunner:
         device: torch.device,
         attention_backend: str = "torch",
         max_cuda_graph_batch: int = 0,
+        structured_outputs: StructuredOutputs | None = None,
     ) -> None:
         self.model = model
         self.model_config = model_config
@@ -48,6 +50,7 @@ class ModelRunner:
         )
         self._generators: dict[str, torch.Generator] = {}
         self._num_samples = 0
+        self.structured_outputs = structured_outputs
         self.build_metadata = metadata_builder(attention_backend)
         self.graphs: DecodeGraphs | None = None
         if max_cuda_graph_batch > 0:
@@ -79,6 +82,8 @@ class ModelRunner:
     def execute(self, scheduled: SchedulerOutput) -> ModelRunnerOutput:
         for request_id in scheduled.finished_request_ids:
             self._generators.pop(request_id, None)
+            if self.structured_outputs is not None:
+                self.structured_outputs.drop(request_id)
         if scheduled.is_empty:
             return ModelRunnerOutput([], [])
         chunks = scheduled.chunks
@@ -198,7 +203,17 @@ class ModelRunner:
                 for row, c in enumerate(chunks)
                 if c.forced_token_id is not None
             ],
+            **self._grammar(chunks),
         )
+
+    def _grammar(self, chunks: list[ScheduledChunk]) -> dict:
+        rows = [(row, c.request_id, c.structured) for row, c in enumerate(chunks) if c.structured]
+        if not rows:
+            return {}
+        if self.structured_outputs is None:
+            raise RuntimeError("structured output requested but the engine has no grammar backend")
+        bitmask, grammar_rows = self.structured_outputs.bitmask(rows, len(chunks), self.device)
+        return {"grammar_bitmask": bitmask, "grammar_rows": grammar_rows}
 
     def _logit_bias(self, params: list[SamplingParams]) -> LogitBias | None:
         rows, token_ids, values = [], [], []
@@ -256,6 +271,9 @@ class ModelRunner:
 
     def _to_host(self, result: SamplerOutput, chunks: list[ScheduledChunk]) -> ModelRunnerOutput:
         token_ids = result.token_ids.tolist()  # the step's one sync with the device
+        for chunk, token_id in zip(chunks, token_ids, strict=True):
+            if chunk.structured is not None and self.structured_outputs is not None:
+                self.structured_outputs.accept(chunk.request_id, token_id)
         if result.logprobs is None:
             return ModelRunnerOutput(token_ids, [None] * len(token_ids))
         chosen = result.logprobs.tolist()

@@ -56,6 +56,8 @@ class SamplingMetadata:
     logit_bias: LogitBias | None = None  # None: no row has a logit bias
     penalties: Penalties | None = None  # None: no row has penalties
     forced: list[tuple[int, int]] = field(default_factory=list)  # (row, the only token allowed)
+    grammar_bitmask: torch.Tensor | None = None  # [num_rows, vocab_size / 32] int32 (xgrammar)
+    grammar_rows: list[int] = field(default_factory=list)  # the rows the bitmask applies to
 
 
 @dataclass(frozen=True)
@@ -111,6 +113,10 @@ def _adjust_logits(logits: torch.Tensor, meta: SamplingMetadata) -> None:
         logits.index_put_((bias.rows, bias.token_ids), bias.values, accumulate=True)
     if meta.penalties is not None:
         _apply_penalties(logits, meta.penalties)
+    if meta.grammar_bitmask is not None:
+        from xgrammar import apply_token_bitmask_inplace
+
+        apply_token_bitmask_inplace(logits, meta.grammar_bitmask, indices=meta.grammar_rows)
     for row, token_id in meta.forced:  # a spent thinking budget: only the block's end remains
         logits[row].fill_(float("-inf"))
         logits[row, token_id] = 0.0

@@ -148,6 +148,8 @@ class ChatCompletionRequest(SamplingFields):
     metadata: dict[str, str] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM's: {json | regex | grammar: ...}
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     echo: bool = False

@@ -9,6 +9,8 @@ from typing import Any
 
 from metrale.engine_args import EngineConfig
 from metrale.frontend.async_llm import AsyncLLM
+from metrale.runner.structured_output import StructuredOutputs
+from metrale.sampling_params import StructuredOutput
 from metrale.server.errors import APIError, model_not_found
 from metrale.tokenizer import Tokenizer
 
@@ -36,10 +38,22 @@ class ServerState:
     serve_config: dict[str, Any] = field(default_factory=dict)
     started_at_s: float = field(default_factory=time.time)
     stored_completions: OrderedDict[str, dict[str, Any]] = field(default_factory=OrderedDict)
+    structured_outputs: StructuredOutputs | None = None  # compiled on first use
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.settings.served_model_name:
             raise model_not_found(name)
+
+    def check_structured_output(self, spec: StructuredOutput) -> None:
+        """Compile the grammar here first, so a bad one is a 400 before any stream starts."""
+        if self.structured_outputs is None:
+            self.structured_outputs = StructuredOutputs(
+                self.config.model_dir, self.config.model.vocab_size, self.config.eos_token_ids
+            )
+        try:
+            self.structured_outputs.validate(spec)
+        except ValueError as e:
+            raise APIError(str(e), param="response_format") from None
 
     def check_alive(self) -> None:
         if not self.llm.is_alive:

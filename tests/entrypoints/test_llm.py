@@ -198,3 +198,44 @@ def test_thinking_budget_forces_the_block_closed(llm):
     assert out[:1] == [think] and end_think in out
     first_close = out.index(end_think)
     assert first_close <= 1 + 2 + 1, out  # <think>, at most 2 thinking tokens, then </think>
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["ok", "n"],
+    "additionalProperties": False,
+}
+
+
+def test_structured_output_follows_the_grammar(llm):
+    import json
+
+    from metrale.sampling_params import StructuredOutput
+
+    schema = StructuredOutput("json", json.dumps(SCHEMA))
+    plain = SamplingParams(temperature=1.0, seed=0, max_tokens=40)
+    constrained = [
+        SamplingParams(temperature=1.0, seed=seed, max_tokens=40, structured=schema)
+        for seed in range(4)
+    ]
+    outputs = llm.generate(["a", "b", "c", "d", "e"], [plain, *constrained], use_tqdm=False)
+    for out in outputs[1:]:
+        completion = out.outputs[0]
+        value = json.loads(completion.text)
+        assert set(value) == {"ok", "n"} and isinstance(value["ok"], bool)
+        assert 0 <= value["n"] <= 9
+        assert completion.finish_reason == "stop", "the grammar ends in a stop token"
+    regex = StructuredOutput("regex", "[0-9]{3}-[a-c]{2}")
+    (out,) = llm.generate(
+        ["x"],
+        SamplingParams(temperature=1.0, seed=1, max_tokens=20, structured=regex),
+        use_tqdm=False,
+    )
+    import re
+
+    assert re.fullmatch("[0-9]{3}-[a-c]{2}", out.outputs[0].text)
+    with pytest.raises(ValueError, match="cannot compile"):
+        llm.generate(
+            ["x"], SamplingParams(structured=StructuredOutput("regex", "([")), use_tqdm=False
+        )

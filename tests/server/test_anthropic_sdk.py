@@ -144,8 +144,29 @@ def test_errors(client):
                 }
             ],
         )
-    with pytest.raises(anthropic.BadRequestError, match="grammar"):
-        greedy(client, tools=[READ_TOOL], tool_choice={"type": "any"})
+
+
+PICK_TOOL = {
+    "name": "pick_colour",
+    "description": "Pick a colour",
+    "input_schema": {
+        "type": "object",
+        "properties": {"colour": {"enum": ["red", "green", "blue"]}, "bright": {"type": "boolean"}},
+        "required": ["colour", "bright"],
+        "additionalProperties": False,
+    },
+}
+
+
+@pytest.mark.parametrize("choice", [{"type": "any"}, {"type": "tool", "name": "pick_colour"}])
+def test_forced_tool_choice_always_yields_a_valid_call(client, choice):
+    """The grammar forces a well-formed call even from random weights."""
+    reply = greedy(client, tools=[PICK_TOOL], tool_choice=choice, max_tokens=200)
+    (call,) = [b for b in reply.content if b.type == "tool_use"]
+    assert reply.stop_reason == "tool_use"
+    assert call.name == "pick_colour"
+    assert call.input["colour"] in ("red", "green", "blue")
+    assert isinstance(call.input["bright"], bool)
 
 
 def test_claude_code_tool_session_reuses_the_prefix_cache(client):

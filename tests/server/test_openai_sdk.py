@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import httpx
@@ -252,3 +253,73 @@ def test_tokenize_detokenize_round_trip(server):
         server.api_url + "/chat/completions", json={"messages": MESSAGES, "max_tokens": 1}
     ).json()
     assert chat["count"] == completion["usage"]["prompt_tokens"]
+
+
+COLOUR_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "pick_colour",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "colour": {"enum": ["red", "green", "blue"]},
+                "bright": {"type": "boolean"},
+            },
+            "required": ["colour", "bright"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+@pytest.mark.parametrize(
+    "choice", ["required", {"type": "function", "function": {"name": "pick_colour"}}]
+)
+def test_forced_tool_choice_is_enforced_by_the_grammar(client, choice):
+    """Random weights, yet the reply is always one well-formed call (hermes format)."""
+    kwargs = {
+        "model": MODEL_NAME,
+        "messages": MESSAGES,
+        "tools": [COLOUR_TOOL],
+        "tool_choice": choice,
+        "max_tokens": 100,
+        "temperature": 1.0,
+        "seed": 5,
+    }
+    out = client.chat.completions.create(**kwargs)
+    (call,) = out.choices[0].message.tool_calls
+    assert call.function.name == "pick_colour"
+    assert out.choices[0].finish_reason == "tool_calls"
+    value = json.loads(call.function.arguments)
+    assert value["colour"] in ("red", "green", "blue") and isinstance(value["bright"], bool)
+
+    chunks = list(client.chat.completions.create(stream=True, **kwargs))
+    deltas = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
+    assert [tc.function.name for tc in deltas if tc.function.name] == ["pick_colour"]
+    assert "".join(tc.function.arguments or "" for tc in deltas) == call.function.arguments
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+
+
+def test_response_format_json_schema(client):
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
+    out = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=MESSAGES,
+        max_tokens=40,
+        temperature=1.0,
+        seed=2,
+        response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}},
+    )
+    assert 0 <= json.loads(out.choices[0].message.content)["n"] <= 99
+    with pytest.raises(openai.BadRequestError, match="cannot compile"):
+        client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=MESSAGES,
+            max_tokens=5,
+            extra_body={"structured_outputs": {"regex": "(["}},
+        )

@@ -137,11 +137,19 @@ def test_tool_choice_none_leaves_the_text_alone(qwen3_dir):
     assert out.choices[0].finish_reason == "stop"
 
 
-def test_required_tool_choice_is_refused_clearly(qwen3_dir):
-    client = client_for(qwen3_dir, TOOL_REPLY, 5, **PARSERS)
-    with pytest.raises(openai.BadRequestError, match="grammar-constrained"):
+def test_forced_tool_choice_needs_a_grammar_the_format_supports(qwen3_dir):
+    client = client_for(qwen3_dir, TOOL_REPLY, 5, tool_call_parser="qwen3_coder")
+    with pytest.raises(openai.BadRequestError, match="only for the hermes"):
         client.chat.completions.create(
             model="m", messages=USER, tools=[WEATHER_TOOL], tool_choice="required"
+        )
+    client = client_for(qwen3_dir, TOOL_REPLY, 5, **PARSERS)
+    with pytest.raises(openai.BadRequestError, match="not among the tools"):
+        client.chat.completions.create(
+            model="m",
+            messages=USER,
+            tools=[WEATHER_TOOL],
+            tool_choice={"type": "function", "function": {"name": "nope"}},
         )
 
 

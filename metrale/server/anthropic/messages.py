@@ -37,7 +37,7 @@ from metrale.frontend.output_processor import CompletionDelta
 from metrale.server import sse
 from metrale.server.anthropic.blocks import ReplyBlocks
 from metrale.server.anthropic.errors import error_body
-from metrale.server.anthropic.protocol import CountTokensRequest, MessagesRequest, ToolChoice
+from metrale.server.anthropic.protocol import CountTokensRequest, MessagesRequest
 from metrale.server.anthropic.translate import chat_request
 from metrale.server.errors import APIError, parse_body
 from metrale.server.generation import (
@@ -48,19 +48,15 @@ from metrale.server.generation import (
     stream_deltas,
     until_disconnected,
 )
-from metrale.server.openai.chat import build_prompt, output_parser, thinking_budget
+from metrale.server.openai.chat import (
+    build_prompt,
+    output_parser,
+    structured_output,
+    thinking_budget,
+)
 from metrale.server.state import ServerState
 
 router = APIRouter()
-
-
-def check_tool_choice(choice: ToolChoice | None) -> None:
-    if choice is not None and choice.type in ("any", "tool"):
-        raise APIError(
-            f"tool_choice {{'type': {choice.type!r}}} needs grammar-constrained decoding, which "
-            f"this server does not have yet; use {{'type': 'auto'}}",
-            param="tool_choice",
-        )
 
 
 @router.post("/v1/messages")
@@ -69,7 +65,6 @@ async def create_message(request: Request) -> Any:
     body = await parse_body(request, MessagesRequest)
     state.check_model(body.model)
     state.check_alive()
-    check_tool_choice(body.tool_choice)
     chat = chat_request(
         body,
         stop=body.stop_sequences,
@@ -97,6 +92,10 @@ async def create_message(request: Request) -> Any:
     except ValueError as e:
         raise APIError(str(e)) from None
     requested = body.thinking.budget_tokens if body.thinking is not None else None
+    if (structured := structured_output(state, chat)) is not None:
+        state.check_structured_output(structured)
+        params = dataclasses.replace(params, structured=structured)
+        requested = requested or max_seq_len  # the grammar starts where thinking ends
     if (budget := thinking_budget(state, requested, prompt_text)) is not None:
         params = dataclasses.replace(params, thinking=budget)
     prompt = prepare(state, f"msg_{uuid.uuid4().hex}", prompt_ids, params, 1)

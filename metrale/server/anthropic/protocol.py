@@ -80,6 +80,14 @@ class Tool(_Body):
 
 class ToolChoice(_Body):
     type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None  # with type "tool"
+    disable_parallel_tool_use: bool | None = None
+
+    @model_validator(mode="after")
+    def _named(self) -> ToolChoice:
+        if self.type == "tool" and not self.name:
+            raise ValueError("tool_choice.name: required when tool_choice.type is 'tool'")
+        return self
 
 
 class ThinkingConfig(_Body):

@@ -27,6 +27,7 @@ from metrale.server.anthropic.protocol import (
     Message,
     TextBlock,
     ThinkingBlock,
+    ToolChoice,
     ToolResultBlock,
     ToolUseBlock,
 )
@@ -75,7 +76,7 @@ def chat_request(body: CountTokensRequest, **sampling: Any) -> ChatCompletionReq
         return ChatCompletionRequest(
             messages=messages,
             tools=tools or None,
-            tool_choice=None if body.tool_choice is None else body.tool_choice.type,
+            tool_choice=_tool_choice(body.tool_choice),
             chat_template_kwargs=template_kwargs,
             add_generation_prompt=not prefill,
             continue_final_message=prefill,
@@ -83,6 +84,15 @@ def chat_request(body: CountTokensRequest, **sampling: Any) -> ChatCompletionReq
         )
     except pydantic.ValidationError as e:
         raise validation_error(e) from None
+
+
+def _tool_choice(choice: ToolChoice | None) -> str | dict[str, Any] | None:
+    """Anthropic's tool_choice in OpenAI's terms: any = required, tool = a named function."""
+    if choice is None:
+        return None
+    if choice.type == "tool":
+        return {"type": "function", "function": {"name": choice.name}}
+    return {"any": "required"}.get(choice.type, choice.type)
 
 
 def _chat_messages(i: int, message: Message) -> list[ChatMessage]:

@@ -20,7 +20,7 @@ from metrale.frontend.reasoning import (
     reasoning_format,
 )
 from metrale.frontend.tool_parsers import make_tool_parser, tool_specs
-from metrale.sampling_params import ThinkingBudget
+from metrale.sampling_params import StructuredOutput, ThinkingBudget
 from metrale.server import sse
 from metrale.server.errors import APIError, parse_body
 from metrale.server.generation import (
@@ -119,19 +119,83 @@ def build_prompt(state: ServerState, body: ChatCompletionRequest) -> tuple[str, 
     return text, state.tokenizer.encode(text, add_special_tokens=False)
 
 
-def check_tool_choice(body: ChatCompletionRequest) -> None:
+def structured_output(state: ServerState, body: ChatCompletionRequest) -> StructuredOutput | None:
+    """The grammar the reply must follow: a forced tool call, `structured_outputs`, or
+    `response_format`; None when it is free text."""
     choice = body.tool_choice
-    if choice is None or choice in ("auto", "none"):
-        return
-    if choice == "required" or isinstance(choice, dict):
+    if body.tools and choice not in (None, "auto", "none"):
+        return _tool_call_grammar(state, body)
+    if body.structured_outputs:
+        spec = body.structured_outputs
+        if "json" in spec:
+            schema = spec["json"]
+            return StructuredOutput(
+                "json", schema if isinstance(schema, str) else json.dumps(schema)
+            )
+        for kind in ("regex", "grammar"):
+            if isinstance(spec.get(kind), str):
+                return StructuredOutput(kind, spec[kind])
         raise APIError(
-            "tool_choice 'required' and named functions need grammar-constrained decoding, which "
-            "this server does not have yet; use tool_choice 'auto'",
+            "structured_outputs: give one of json (a schema), regex or grammar",
+            param="structured_outputs",
+        )
+    response_format = body.response_format or {}
+    kind = response_format.get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutput("json")
+    if kind == "json_schema":
+        schema = (response_format.get("json_schema") or {}).get("schema")
+        if not isinstance(schema, dict):
+            raise APIError(
+                "response_format.json_schema.schema: a JSON schema object is required",
+                param="response_format",
+            )
+        return StructuredOutput("json", json.dumps(schema))
+    raise APIError(
+        f"response_format.type {kind!r}: use text, json_object or json_schema",
+        param="response_format",
+    )
+
+
+def _tool_call_grammar(state: ServerState, body: ChatCompletionRequest) -> StructuredOutput:
+    """`tool_choice` required or named: the reply must be one call in the parser's format."""
+    functions = {t.get("function", {}).get("name"): t.get("function", {}) for t in body.tools or []}
+    choice = body.tool_choice
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name")
+        if name not in functions:
+            raise APIError(
+                f"tool_choice names {name!r}, which is not among the tools", param="tool_choice"
+            )
+        functions = {name: functions[name]}
+    elif choice != "required":
+        raise APIError(
+            f"tool_choice={choice!r}: use auto, none, required or a named function",
             param="tool_choice",
         )
-    raise APIError(
-        f"tool_choice={choice!r}: use 'auto', 'none', 'required' or a named function",
-        param="tool_choice",
+    if state.settings.tool_call_parser != "hermes":
+        raise APIError(
+            f"tool_choice {choice!r} is enforced by a grammar only for the hermes tool-call "
+            f"format so far (this model uses {state.settings.tool_call_parser}); use 'auto'",
+            param="tool_choice",
+        )
+    calls = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"const": name},
+                "arguments": function.get("parameters") or {"type": "object"},
+            },
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for name, function in functions.items()
+    ]
+    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    return StructuredOutput(
+        "json", json.dumps(schema), prefix="<tool_call>\n", suffix="\n</tool_call>"
     )
 
 
@@ -200,7 +264,9 @@ async def create_chat_completion(request: Request) -> Any:
     body = await parse_body(request, ChatCompletionRequest)
     state.check_model(body.model)
     state.check_alive()
-    check_tool_choice(body)
+    structured = structured_output(state, body)
+    if structured is not None:
+        state.check_structured_output(structured)
     prompt_text, prompt_ids = build_prompt(state, body)
     max_tokens = body.max_completion_tokens or body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -213,6 +279,10 @@ async def create_chat_completion(request: Request) -> Any:
     except ValueError as e:
         raise APIError(str(e)) from None
     requested = EFFORT_BUDGETS.get(body.reasoning_effort or "")
+    if structured is not None:
+        # The grammar starts where thinking ends, so the engine must track the thinking block.
+        params = dataclasses.replace(params, structured=structured)
+        requested = requested or state.config.scheduler.max_seq_len
     if (budget := thinking_budget(state, requested, prompt_text)) is not None:
         params = dataclasses.replace(params, thinking=budget)
     prompt = prepare(state, new_id("chatcmpl"), prompt_ids, params, body.n)
