@@ -143,8 +143,8 @@ def structured_output(state: ServerState, body: ChatCompletionRequest) -> Struct
     kind = response_format.get("type", "text")
     if kind == "text":
         return None
-    if kind == "json_object":
-        return StructuredOutput("json")
+    if kind == "json_object":  # an object, as OpenAI defines it, not any JSON value
+        return StructuredOutput("json", json.dumps({"type": "object"}))
     if kind == "json_schema":
         schema = (response_format.get("json_schema") or {}).get("schema")
         if not isinstance(schema, dict):
