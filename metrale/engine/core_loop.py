@@ -8,6 +8,7 @@ API process: outputs are pushed, not requested.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -78,6 +79,10 @@ def run_engine_core(
             logger.exception("engine core failed to start")
             outputs.send_multipart(encode(MessageKind.FAILED, Failed(f"{type(e).__name__}: {e}")))
             return
+        # Everything built so far (the block pool's tens of thousands of blocks, the model)
+        # lives as long as the engine: keep it out of the garbage collector's sweeps, which
+        # would otherwise walk it again and again from inside the busy loop.
+        gc.freeze()
         outputs.send_multipart(encode(MessageKind.READY, Ready(kv_cache_stats(core))))
         _serve(core, inputs, outputs, parent_pid=None if in_process else os.getppid())
     except Exception:

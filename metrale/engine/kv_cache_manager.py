@@ -8,10 +8,13 @@ their full blocks stay hashed in the pool for the next request with the same pre
 
 from __future__ import annotations
 
+import array
 from dataclasses import dataclass
 
 from metrale.engine.block_pool import BlockHash, BlockPool, KVCacheBlock, hash_block, root_hash
 from metrale.engine.request import Request
+
+_NO_BLOCKS = array.array("q")
 
 
 @dataclass
@@ -28,11 +31,15 @@ class KVCacheManager:
         self.block_size = block_size
         self.stats = PrefixCacheStats()
         self._blocks: dict[str, list[KVCacheBlock]] = {}
+        # The same blocks' ids, kept alongside as int64 arrays: a step copies each request's
+        # block table into the runner's buffer with one memcpy, and builds no list.
+        self._block_ids: dict[str, array.array] = {}
         self._hashes: dict[str, list[BlockHash]] = {}
         self._num_published: dict[str, int] = {}
 
-    def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self._blocks.get(request_id, ())]
+    def block_ids(self, request_id: str) -> array.array:
+        """The request's block table; the live array, valid until its next allocate or free."""
+        return self._block_ids.get(request_id, _NO_BLOCKS)
 
     def num_blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -80,14 +87,18 @@ class KVCacheManager:
                 del self._blocks[request.request_id]
             return False
         self.pool.touch(cached_prefix)
-        held.extend(cached_prefix)
-        if num_new_blocks > 0:
-            held.extend(self.pool.allocate(num_new_blocks))
+        new_blocks = cached_prefix + (
+            self.pool.allocate(num_new_blocks) if num_new_blocks > 0 else []
+        )
+        held.extend(new_blocks)
+        ids = self._block_ids.setdefault(request.request_id, array.array("q"))
+        ids.extend(b.block_id for b in new_blocks)
         self._publish_full_blocks(request, held, num_computed + num_new_tokens)
         return True
 
     def free(self, request: Request) -> None:
         blocks = self._blocks.pop(request.request_id, [])
+        self._block_ids.pop(request.request_id, None)
         self.pool.release(blocks[::-1])
         self._num_published.pop(request.request_id, None)
         if request.is_finished:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -33,7 +34,7 @@ class ScheduledChunk:
     request_id: str
     token_ids: list[int]
     start_pos: int
-    block_ids: list[int]
+    block_ids: Sequence[int]  # the request's block table (the KV manager's live array)
     samples: bool
     sampling_params: SamplingParams
     banned_token_ids: tuple[int, ...] = ()  # stop tokens masked until min_tokens is reached

@@ -118,12 +118,18 @@ class ModelRunner:
         for i, chunk in enumerate(chunks):
             n = chunk.num_tokens
             end = num_tokens + n
-            pos = np.arange(chunk.start_pos, chunk.start_pos + n)
-            block_ids = np.asarray(chunk.block_ids)
-            b.input_ids.np[num_tokens:end] = chunk.token_ids
-            b.positions.np[num_tokens:end] = pos
-            b.slot_mapping.np[num_tokens:end] = block_ids[pos // bs] * bs + pos % bs
+            start = chunk.start_pos
+            block_ids = chunk.block_ids
             b.block_tables.np[i, : len(block_ids)] = block_ids
+            if n == 1:  # decode: scalar writes, no temporary arrays (most rows of big batches)
+                b.input_ids.np[num_tokens] = chunk.token_ids[0]
+                b.positions.np[num_tokens] = start
+                b.slot_mapping.np[num_tokens] = block_ids[start // bs] * bs + start % bs
+            else:
+                pos = np.arange(start, start + n)
+                b.input_ids.np[num_tokens:end] = chunk.token_ids
+                b.positions.np[num_tokens:end] = pos
+                b.slot_mapping.np[num_tokens:end] = b.block_tables.np[i, pos // bs] * bs + pos % bs
             b.start_positions.np[i] = chunk.start_pos
             b.seq_lens.np[i] = chunk.start_pos + n
             b.query_start_loc.np[i + 1] = end
