@@ -257,3 +257,23 @@ def test_anthropic_thinking_budget_tokens_become_the_engine_budget(qwen3_dir):
     ):
         assert http.post("/v1/messages", json={**body, "thinking": thinking}).is_success
     assert [r.sampling_params.thinking.max_tokens for r in llm.requests] == [2048, 3000, 3000]
+
+
+def test_no_parallel_tool_calls_stops_after_the_first_call(qwen3_dir):
+    llm, http = recording_client(qwen3_dir, tool_call_parser="hermes")
+    chat = {"model": "m", "messages": USER, "max_tokens": 50, "tools": [WEATHER_TOOL]}
+    assert http.post("/v1/chat/completions", json={**chat, "parallel_tool_calls": False}).is_success
+    assert http.post("/v1/chat/completions", json=chat).is_success
+    tool = {"name": "get_weather", "input_schema": WEATHER_TOOL["function"]["parameters"]}
+    messages = {
+        "model": "m",
+        "max_tokens": 50,
+        "messages": USER,
+        "tools": [tool],
+        "tool_choice": {"type": "auto", "disable_parallel_tool_use": True},
+    }
+    assert http.post("/v1/messages", json=messages).is_success
+    stops = [
+        (r.sampling_params.stop, r.sampling_params.include_stop_str_in_output) for r in llm.requests
+    ]
+    assert stops == [(("</tool_call>",), True), ((), False), (("</tool_call>",), True)]

@@ -49,6 +49,7 @@ from metrale.server.generation import (
     until_disconnected,
 )
 from metrale.server.openai.chat import (
+    at_most_one_tool_call,
     build_prompt,
     output_parser,
     structured_output,
@@ -91,6 +92,7 @@ async def create_message(request: Request) -> Any:
         )
     except ValueError as e:
         raise APIError(str(e)) from None
+    params = at_most_one_tool_call(state, chat, params)
     requested = body.thinking.budget_tokens if body.thinking is not None else None
     if (structured := structured_output(state, chat)) is not None:
         state.check_structured_output(structured)

@@ -77,6 +77,9 @@ def chat_request(body: CountTokensRequest, **sampling: Any) -> ChatCompletionReq
             messages=messages,
             tools=tools or None,
             tool_choice=_tool_choice(body.tool_choice),
+            parallel_tool_calls=False
+            if body.tool_choice is not None and body.tool_choice.disable_parallel_tool_use
+            else None,
             chat_template_kwargs=template_kwargs,
             add_generation_prompt=not prefill,
             continue_final_message=prefill,

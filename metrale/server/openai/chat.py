@@ -20,7 +20,7 @@ from metrale.frontend.reasoning import (
     reasoning_format,
 )
 from metrale.frontend.tool_parsers import make_tool_parser, tool_specs
-from metrale.sampling_params import StructuredOutput, ThinkingBudget
+from metrale.sampling_params import SamplingParams, StructuredOutput, ThinkingBudget
 from metrale.server import sse
 from metrale.server.errors import APIError, parse_body
 from metrale.server.generation import (
@@ -117,6 +117,25 @@ def build_prompt(state: ServerState, body: ChatCompletionRequest) -> tuple[str, 
             f"the chat template could not render these messages: {e}", param="messages"
         ) from None
     return text, state.tokenizer.encode(text, add_special_tokens=False)
+
+
+def at_most_one_tool_call(
+    state: ServerState, body: ChatCompletionRequest, params: SamplingParams
+) -> SamplingParams:
+    """`parallel_tool_calls: false`: end the reply right after its first call.
+
+    Done with a stop string kept in the output, so the parser still sees the whole call; only
+    the hermes format has a closing tag to stop on, and a request with stop strings of its own
+    keeps them (including the tag would change how those are reported).
+    """
+    if (
+        body.parallel_tool_calls is not False
+        or not body.tools
+        or params.stop
+        or state.settings.tool_call_parser != "hermes"
+    ):
+        return params
+    return dataclasses.replace(params, stop=("</tool_call>",), include_stop_str_in_output=True)
 
 
 def structured_output(state: ServerState, body: ChatCompletionRequest) -> StructuredOutput | None:
@@ -278,6 +297,7 @@ async def create_chat_completion(request: Request) -> Any:
         )
     except ValueError as e:
         raise APIError(str(e)) from None
+    params = at_most_one_tool_call(state, body, params)
     requested = EFFORT_BUDGETS.get(body.reasoning_effort or "")
     if structured is not None:
         # The grammar starts where thinking ends, so the engine must track the thinking block.
