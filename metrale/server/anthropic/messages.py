@@ -39,6 +39,13 @@ from metrale.server.anthropic.blocks import ReplyBlocks
 from metrale.server.anthropic.errors import error_body
 from metrale.server.anthropic.protocol import CountTokensRequest, MessagesRequest
 from metrale.server.anthropic.translate import chat_request
+from metrale.server.chat_request import (
+    at_most_one_tool_call,
+    build_prompt,
+    output_parser,
+    structured_output,
+    thinking_budget,
+)
 from metrale.server.errors import APIError, parse_body
 from metrale.server.generation import (
     PreparedPrompt,
@@ -47,13 +54,6 @@ from metrale.server.generation import (
     prepare,
     stream_deltas,
     until_disconnected,
-)
-from metrale.server.openai.chat import (
-    at_most_one_tool_call,
-    build_prompt,
-    output_parser,
-    structured_output,
-    thinking_budget,
 )
 from metrale.server.state import ServerState
 

@@ -6,8 +6,8 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
+from metrale.server.chat_request import render_messages
 from metrale.server.errors import APIError, model_not_found, parse_body
-from metrale.server.openai.chat import render_messages
 from metrale.server.protocol import DetokenizeRequest, TokenizeRequest
 from metrale.server.state import ServerState
 from metrale.tokenizer import ChatTemplateError
