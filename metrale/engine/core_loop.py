@@ -14,10 +14,12 @@ import os
 import signal
 import traceback
 
+import torch
 import zmq
 
 from metrale.engine.core import EngineCore
 from metrale.engine.messages import (
+    DeviceMemory,
     EngineOutput,
     EngineRequest,
     Failed,
@@ -52,6 +54,21 @@ def kv_cache_stats(core: EngineCore) -> KVCacheStats:
         num_running=len(scheduler.running),
         num_waiting=len(scheduler.waiting),
         num_preemptions=scheduler.num_preemptions,
+        memory=device_memory(core),
+    )
+
+
+def device_memory(core: EngineCore) -> DeviceMemory:
+    device = core.config.device
+    if device.type != "cuda":
+        return DeviceMemory(str(device))
+    free, total = torch.cuda.mem_get_info(device)  # a driver query: no sync with the stream
+    return DeviceMemory(
+        str(device),
+        total_bytes=total,
+        used_bytes=total - free,
+        allocated_bytes=torch.cuda.memory_allocated(device),
+        budget_bytes=int(total * core.config.cache.gpu_memory_utilization),
     )
 
 

@@ -63,6 +63,17 @@ class EngineOutput(msgspec.Struct, frozen=True, array_like=True):
         return self.finish_reason is not None
 
 
+class DeviceMemory(msgspec.Struct, frozen=True):
+    """The engine's device memory: the whole device's reading, what the engine's allocator
+    holds, and the budget `--gpu-memory-utilization` gives the engine (None on a CPU)."""
+
+    device: str
+    total_bytes: int | None = None
+    used_bytes: int | None = None  # by every process on the device
+    allocated_bytes: int | None = None  # by this engine's tensors
+    budget_bytes: int | None = None
+
+
 class KVCacheStats(msgspec.Struct, frozen=True):
     """The KV pool as the engine last saw it; read by `/memory`."""
 
@@ -76,6 +87,7 @@ class KVCacheStats(msgspec.Struct, frozen=True):
     num_running: int
     num_waiting: int
     num_preemptions: int
+    memory: DeviceMemory | None = None
 
     @property
     def usage(self) -> float:

@@ -6,6 +6,7 @@ import os
 import platform
 from typing import Any
 
+import msgspec
 import torch
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
@@ -64,6 +65,7 @@ async def memory(request: Request) -> dict[str, Any]:
             "queried_tokens": kv.num_prefix_queried_tokens,
             "hit_tokens": kv.num_prefix_hit_tokens,
         },
+        "device": None if kv.memory is None else msgspec.structs.asdict(kv.memory),
     }
 
 

@@ -228,7 +228,11 @@ def test_operational_routes(server):
     assert config["engine"]["scheduler"]["max_seq_len"] == 512
     hardware = httpx.get(server.base_url + "/hardware").json()
     assert hardware["cpu"]["cores"] >= 1 and "torch" in hardware["versions"]
-    memory = httpx.get(server.base_url + "/memory").json()["kv_cache"]
+    full_memory = httpx.get(server.base_url + "/memory").json()
+    assert (
+        full_memory["device"]["device"] == "cpu" and full_memory["device"]["budget_bytes"] is None
+    )
+    memory = full_memory["kv_cache"]
     assert memory["blocks_total"] == 256 and 0 <= memory["usage"] <= 1
     for path in (
         "/v1/embeddings",
