@@ -62,7 +62,7 @@ def test_bfloat16_with_graphs_and_gpu_memory_sizing(tmp_path):
     outputs = llm.generate(prompts((3, 100, 700)), PARAMS, use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outputs] == [16, 16, 16]
     assert llm.engine.scheduler.kv_cache.pool.num_used_blocks == 0
-    from metrale.engine.core_loop import device_memory
+    from metrale.engine.stats import device_memory
 
     memory = device_memory(llm.engine)  # what /memory reports
     assert memory.total_bytes > memory.used_bytes >= memory.allocated_bytes > 0
