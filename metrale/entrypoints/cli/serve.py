@@ -1,4 +1,4 @@
-"""`met serve [MODEL]`: the OpenAI-compatible HTTP server.
+"""`met serve [MODEL]`: the OpenAI- and Anthropic-compatible HTTP server.
 
 Startup runs in named phases, each logged with its duration. The engine core loads the weights
 in a process of its own; this process serves HTTP.
@@ -257,4 +257,8 @@ def _effective_config(args: argparse.Namespace, config: Any, settings: Any) -> d
     }
 
 
-register(Subcommand("serve", "serve a model over OpenAI-compatible HTTP", add_arguments, run))
+register(
+    Subcommand(
+        "serve", "serve a model over OpenAI- and Anthropic-compatible HTTP", add_arguments, run
+    )
+)
