@@ -88,7 +88,7 @@ class MinimaxBlock(BlockReader):
                     return pos, False
                 if status is NameScan.INVALID:
                     if state is _State.PARAM_NAME:
-                        self._end_call()
+                        self._writer.end_call()
                     return pos, True
                 pos = at + 1
                 if state is _State.INVOKE_NAME:
@@ -107,7 +107,7 @@ class MinimaxBlock(BlockReader):
                     continue
                 if more:
                     return at, False
-                self._end_call()
+                self._writer.end_call()
                 if tag == INVOKE_CLOSE:
                     pos, self._state = at + len(tag), _State.BLOCK
                 elif tag == BLOCK_CLOSE:
@@ -120,19 +120,14 @@ class MinimaxBlock(BlockReader):
                 if not ended:
                     return pos, False
                 if boundary is None:  # the output ended inside the value
-                    self._end_call()
+                    self._writer.end_call()
                     return pos, True
                 self._state = _State.INVOKE
 
     def _start_call(self, name: str) -> None:
         self._name = name
-        self._writer = ArgumentsWriter(self._sink)
-        self._sink.start_call(name)
+        self._writer = ArgumentsWriter.start_call(self._sink, name)
         self.committed = True
-
-    def _end_call(self) -> None:
-        self._writer.close()
-        self._sink.end_call()
 
 
 @register_tool_parser("minimax_xml")

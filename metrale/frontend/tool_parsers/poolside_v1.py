@@ -75,7 +75,7 @@ class PoolsideBlock(BlockReader):
                 if status is not NameScan.FOUND:
                     return pos, status is NameScan.INVALID
                 self._name = name
-                self._sink.start_call(name)
+                self._writer = ArgumentsWriter.start_call(self._sink, name)
                 self.committed = True
                 pos = at + 1 if delimiter == "\n" else at
                 self._state = _State.BODY
@@ -85,19 +85,19 @@ class PoolsideBlock(BlockReader):
                 if tag == KEY_OPEN:
                     pos, self._state = at + len(tag), _State.KEY
                 elif tag == CALL_CLOSE:
-                    self._end_call()
+                    self._writer.end_call()
                     return at + len(tag), True
                 elif more:
                     return at, False
                 else:  # not our syntax: the call ends, the text is read as content
-                    self._end_call()
+                    self._writer.end_call()
                     return at, True
             elif state is _State.KEY:
                 status, key, at, _ = scan_name(text, pos, (KEY_CLOSE,), final)
                 if status is NameScan.MORE:
                     return pos, False
                 if status is NameScan.INVALID:
-                    self._end_call()
+                    self._writer.end_call()
                     return pos, True
                 self._key = key
                 pos, self._state = at + len(KEY_CLOSE), _State.BEFORE_VALUE
@@ -119,13 +119,9 @@ class PoolsideBlock(BlockReader):
                 if not ended:
                     return pos, False
                 if boundary is None:  # the output ended inside the value
-                    self._end_call()
+                    self._writer.end_call()
                     return pos, True
                 self._state = _State.BODY
-
-    def _end_call(self) -> None:
-        self._writer.close()
-        self._sink.end_call()
 
 
 @register_tool_parser("poolside_v1")

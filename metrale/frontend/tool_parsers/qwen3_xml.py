@@ -116,22 +116,22 @@ class Qwen3Block(BlockReader):
                 if tag == PARAM_OPEN:
                     pos, self._state = at + len(tag), _State.PARAM_NAME
                 elif tag == FUNCTION_CLOSE:
-                    self._end_call()
+                    self._writer.end_call()
                     pos, self._state = at + len(tag), _State.AFTER_FUNCTION
                 elif tag == CALL_CLOSE:
-                    self._end_call()
+                    self._writer.end_call()
                     return at + len(tag), True
                 elif more:
                     return at, False
                 else:  # not our syntax: the call ends, the text is read as content
-                    self._end_call()
+                    self._writer.end_call()
                     return at, True
             elif state is _State.PARAM_NAME:
                 status, name, at, _ = scan_name(text, pos, (">",), final)
                 if status is NameScan.MORE:
                     return pos, False
                 if status is NameScan.INVALID:
-                    self._end_call()
+                    self._writer.end_call()
                     return pos, True
                 spec = self._options.tools.get(self._function)
                 schema = spec.params.get(name) if spec is not None else None
@@ -143,7 +143,7 @@ class Qwen3Block(BlockReader):
                 if not ended:
                     return pos, False
                 if boundary is None:  # the output ended inside the value
-                    self._end_call()
+                    self._writer.end_call()
                     return pos, True
                 self._state = _State.BODY
             else:  # AFTER_FUNCTION
@@ -157,13 +157,8 @@ class Qwen3Block(BlockReader):
 
     def _start_call(self, name: str) -> None:
         self._function = name
-        self._writer = ArgumentsWriter(self._sink)
-        self._sink.start_call(name)
+        self._writer = ArgumentsWriter.start_call(self._sink, name)
         self.committed = True
-
-    def _end_call(self) -> None:
-        self._writer.close()
-        self._sink.end_call()
 
 
 @register_tool_parser("qwen3_coder")

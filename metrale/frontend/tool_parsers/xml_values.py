@@ -48,6 +48,17 @@ class ArgumentsWriter:
     def close(self) -> None:
         self._sink.arguments("}" if self._num_members else "{}")
 
+    @classmethod
+    def start_call(cls, sink: EventSink, name: str) -> ArgumentsWriter:
+        """Open a call named `name`; its arguments go through the writer returned."""
+        sink.start_call(name)
+        return cls(sink)
+
+    def end_call(self) -> None:
+        """Close the arguments object, then the call."""
+        self.close()
+        self._sink.end_call()
+
     def _member_prefix(self, key: str) -> str:
         self._num_members += 1
         opening = "{" if self._num_members == 1 else ", "
