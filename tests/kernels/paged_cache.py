@@ -1,0 +1,31 @@
+"""A random paged KV cache for the attention-kernel tests."""
+
+from __future__ import annotations
+
+import torch
+
+
+def make_paged_cache(
+    seq_lens: list[int],
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    index_dtype: torch.dtype = torch.int64,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random caches and block tables: shuffled block ids, spare blocks full of garbage, and
+    trailing table entries pointing at arbitrary (valid) blocks."""
+    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 3
+    max_blocks = max(blocks_per_seq) + 2
+    ids = torch.randperm(num_blocks)
+    block_tables = torch.randint(0, num_blocks, (len(seq_lens), max_blocks))
+    start = 0
+    for seq, n in enumerate(blocks_per_seq):
+        block_tables[seq, :n] = ids[start : start + n]
+        start += n
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape).to(dtype=dtype, device=device)
+    v_cache = torch.randn(shape).to(dtype=dtype, device=device)
+    return k_cache, v_cache, block_tables.to(dtype=index_dtype, device=device)
