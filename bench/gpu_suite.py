@@ -5,7 +5,9 @@ copy, read + write counted) and a large bf16 matrix-vector product's read bandwi
 roofline of B1 from them; and, for B1, transformers `generate` on the same shape as the
 reference. Results go to $OUT (or bench/results) as JSON with git SHA, device and versions.
 
-    python bench/gpu_suite.py b1 b2 b5 [--out DIR]
+    python bench/gpu_suite.py b1 b2 b5 [--scheduler-config sync|async] [--out DIR]
+
+B1 runs under both schedulings; the others under `--scheduler-config` (default async).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from metrale.engine_args import EngineArgs
 from metrale.sampling_params import SamplingParams
 
 ROOT = Path(__file__).resolve().parent
+SCHEDULING = {"scheduler_config": "async"}  # set from --scheduler-config
 
 LLAMA_8B = {
     "architectures": ["LlamaForCausalLM"],
@@ -81,7 +84,10 @@ def model_dir(config: dict) -> str:
 
 def engine(config: dict, **kwargs) -> EngineCore:
     args = EngineArgs(
-        model_from_path=model_dir(config), load_format="dummy", dtype="bfloat16", **kwargs
+        model_from_path=model_dir(config),
+        load_format="dummy",
+        dtype="bfloat16",
+        **(SCHEDULING | kwargs),
     )
     return EngineCore.from_config(args.create_config(), progress=False)
 
@@ -179,39 +185,50 @@ def b1(results: dict) -> None:
     """Batch-1 decode, Llama-3.1-8B shape, prompt 128, 512 output tokens."""
     bw = bandwidth()
     results["bandwidth"] = bw
-    core = engine(LLAMA_8B, max_seq_len=2048, max_num_seqs=8, gpu_memory_utilization=0.85)
     prompt = torch.randint(0, 128000, (128,)).tolist()
 
     def params(n: int) -> list[SamplingParams]:
         return [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)]
 
-    run(core, [prompt], params(8))
-    times = []
-    for _ in range(3):
-        t_long, _ = run(core, [prompt], params(513))
-        t_short, _ = run(core, [prompt], params(1))
-        times.append(512 / (t_long - t_short))
-    ours = sorted(times)[1]
-    cfg = core.config.model
-    weights = (
-        sum(
-            p.numel() * p.element_size()
-            for n, p in core.runner.model.named_parameters()
-            if "embed_tokens" not in n
+    for scheduling in ("sync", "async"):
+        core = engine(
+            LLAMA_8B,
+            max_seq_len=2048,
+            max_num_seqs=8,
+            gpu_memory_utilization=0.85,
+            scheduler_config=scheduling,
         )
-        + cfg.hidden_size * 2
-    )
-    kv_per_token = 2 * cfg.num_layers * cfg.kv_size * 2 * (128 + 256)  # mean context
-    roofline = bw["read_bytes_per_s"] / (weights + kv_per_token)
-    results["b1"] = {
-        "tokens_per_s": ours,
-        "runs": times,
-        "roofline_tokens_per_s": roofline,
-        "fraction_of_roofline": ours / roofline,
-        "cuda_graphs": core.runner.graphs is not None,
-    }
-    print(f"B1: {ours:.1f} tok/s, roofline {roofline:.1f}, {100 * ours / roofline:.1f}%")
-    release(core)
+        run(core, [prompt], params(8))
+        times = []
+        for _ in range(3):
+            t_long, _ = run(core, [prompt], params(513))
+            t_short, _ = run(core, [prompt], params(1))
+            times.append(512 / (t_long - t_short))
+        ours = sorted(times)[1]
+        cfg = core.config.model
+        weights = (
+            sum(
+                p.numel() * p.element_size()
+                for n, p in core.runner.model.named_parameters()
+                if "embed_tokens" not in n
+            )
+            + cfg.hidden_size * 2
+        )
+        kv_per_token = 2 * cfg.num_layers * cfg.kv_size * 2 * (128 + 256)  # mean context
+        roofline = bw["read_bytes_per_s"] / (weights + kv_per_token)
+        results["b1" if scheduling == "async" else "b1_sync"] = {
+            "tokens_per_s": ours,
+            "runs": times,
+            "roofline_tokens_per_s": roofline,
+            "fraction_of_roofline": ours / roofline,
+            "cuda_graphs": core.runner.graphs is not None,
+            "scheduling": scheduling,
+        }
+        print(
+            f"B1 {scheduling}: {ours:.1f} tok/s, roofline {roofline:.1f}, "
+            f"{100 * ours / roofline:.1f}%"
+        )
+        release(core)
     import transformers
 
     hf_config = transformers.LlamaConfig(
@@ -336,8 +353,10 @@ def b5(results: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("benchmarks", nargs="+", choices=["b1", "b2", "b3", "b5", "profile"])
+    parser.add_argument("--scheduler-config", choices=["sync", "async"], default="async")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ROOT / "results")))
     args = parser.parse_args()
+    SCHEDULING["scheduler_config"] = args.scheduler_config
     results: dict = {
         "date": datetime.date.today().isoformat(),
         "git_sha": os.environ.get("GIT_SHA")
@@ -346,6 +365,7 @@ def main() -> None:
         ).stdout.strip(),
         "device": torch.cuda.get_device_name(),
         "versions": {"torch": torch.__version__, "python": platform.python_version()},
+        "scheduling": args.scheduler_config,
     }
     for name in args.benchmarks:
         try:

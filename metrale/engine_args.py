@@ -64,6 +64,7 @@ class EngineConfig:
     attention_backend: str = "torch"
     max_cuda_graph_batch: int = 0  # 0: no CUDA graphs
     tokenizer_eos_token_id: int | None = None
+    async_scheduling: bool = False  # prepare step N+1 while step N runs
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -98,6 +99,7 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     max_cuda_graph_batch: int = 256
     enforce_eager: bool = False
+    scheduler_config: str = "auto"
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -174,6 +176,13 @@ class EngineArgs:
             "--max-num-batched-tokens",
             type=int,
             help="all tokens computed per step (default: --max-prefill-tokens + --max-batch-size)",
+        )
+        g.add_argument(
+            "--scheduler-config",
+            default=d.scheduler_config,
+            choices=["auto", "sync", "async"],
+            help="async: schedule and prepare the next step while the GPU runs this one; "
+            "auto picks async on a GPU",
         )
         g = parser.add_argument_group("KV cache")
         g.add_argument(
@@ -277,6 +286,8 @@ class EngineArgs:
             max_cuda_graph_batch=0
             if self.enforce_eager or device.type != "cuda"
             else self.max_cuda_graph_batch,
+            async_scheduling=self.scheduler_config == "async"
+            or (self.scheduler_config == "auto" and device.type == "cuda"),
         )
 
 

@@ -2,6 +2,11 @@
 
 It knows nothing of text or HTTP: requests come in as token ids with validated sampling
 parameters, and each `step()` returns the new tokens of every request that advanced.
+
+With async scheduling a step is launched before the previous one's tokens are back, so the host
+schedules and prepares step N+1 while the device runs step N, and `step()` returns step N's
+tokens. A request that needs its last token on the host before its next step (a grammar,
+penalties, a thinking budget about to run out) makes that step wait, and only that step.
 """
 
 from __future__ import annotations
@@ -9,16 +14,18 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections import deque
 
 from metrale.engine.block_pool import BlockPool
 from metrale.engine.kv_cache_manager import KVCacheManager
 from metrale.engine.messages import EngineOutput, EngineRequest
 from metrale.engine.request import Request
 from metrale.engine.scheduler import Scheduler
+from metrale.engine.step import SchedulerOutput
 from metrale.engine_args import EngineConfig
 from metrale.runner.gpu_memory import kv_blocks_for_gpu
 from metrale.runner.model_loader import load_model
-from metrale.runner.model_runner import ModelRunner
+from metrale.runner.model_runner import LaunchedStep, ModelRunner
 from metrale.runner.structured_output import StructuredOutputs
 
 logger = logging.getLogger(__name__)
@@ -29,6 +36,7 @@ class EngineCore:
         self.config = config
         self.runner = runner
         self.scheduler = scheduler
+        self._in_flight: deque[tuple[SchedulerOutput, LaunchedStep]] = deque()
 
     @classmethod
     def from_config(cls, config: EngineConfig, progress: bool = True) -> EngineCore:
@@ -98,12 +106,23 @@ class EngineCore:
         return self.scheduler.abort_request(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished_requests > 0
+        return self.scheduler.num_unfinished_requests > 0 or bool(self._in_flight)
 
     def step(self) -> list[EngineOutput]:
+        """Launch the next step; return the tokens of the one before it (async) or of it."""
+        if self._in_flight and self.scheduler.needs_pending_tokens():
+            return self._collect()
         scheduled = self.scheduler.schedule()
-        result = self.runner.execute(scheduled)
-        return self.scheduler.update(scheduled, result)
+        self._in_flight.append((scheduled, self.runner.launch(scheduled)))
+        keep = 1 if self.config.async_scheduling and not scheduled.is_empty else 0
+        outputs = []
+        while len(self._in_flight) > keep:
+            outputs.extend(self._collect())
+        return outputs
+
+    def _collect(self) -> list[EngineOutput]:
+        scheduled, launched = self._in_flight.popleft()
+        return self.scheduler.update(scheduled, self.runner.collect(launched))
 
 
 def validate_request(config: EngineConfig, request: EngineRequest) -> None:

@@ -1,9 +1,14 @@
 """Engine-side state of one request.
 
 The invariant everything else leans on: `num_computed_tokens` catches up with
-`num_tokens` (= len(all_token_ids)). Prefill, chunked prefill, decode and recompute after
+`num_tokens + num_pending_tokens`. Prefill, chunked prefill, decode and recompute after
 preemption are all "compute the tokens not yet computed"; a step that brings a request level
 samples one more token, which makes it one behind again.
+
+A sampled token is pending from the moment its step is scheduled until its id comes back from
+the device. Scheduling counts it already (the step computes it, `num_computed_tokens` moves at
+schedule time), which is what lets async scheduling plan step N+1 while step N still runs: the
+runner feeds a pending token to the model straight from the device.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)
     num_computed_tokens: int = 0
+    num_pending_tokens: int = 0  # sampled by steps in flight, ids not yet known to the host
     num_cached_prompt_tokens: int = 0  # prompt tokens served by the prefix cache, first admission
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
@@ -74,6 +80,32 @@ class Request:
             self.inside_thinking = False
         else:
             self.num_thinking_tokens += 1
+
+    @property
+    def num_scheduled_output_tokens(self) -> int:
+        """Output tokens known or pending: what length limits count."""
+        return len(self.output_token_ids) + self.num_pending_tokens
+
+    @property
+    def needs_pending_tokens(self) -> bool:
+        """Whether its next step must wait for the ids of its pending tokens.
+
+        A grammar, penalties and a thinking budget about to run out are all decided on the host
+        from the tokens so far; other requests go on without knowing them.
+        """
+        if self.num_pending_tokens == 0:
+            return False
+        params = self.sampling_params
+        if params.structured is not None or params.has_penalties:
+            return True
+        thinking = params.thinking
+        # Inside a block the pending tokens may spend the budget. Outside one they cannot: with
+        # the budget spent the scheduler bans opening another block.
+        return (
+            thinking is not None
+            and self.inside_thinking
+            and self.num_thinking_tokens + self.num_pending_tokens >= thinking.max_tokens
+        )
 
     @property
     def thinking_budget_spent(self) -> bool:

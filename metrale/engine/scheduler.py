@@ -5,6 +5,12 @@ KV pool runs dry it preempts the newest running request (its blocks are freed an
 recomputed later, from the front of the queue). Then, if nothing was preempted, it admits waiting
 requests in arrival order while the token budget, `max_prefill_tokens`, `max_batch_size` and
 `max_num_seqs` allow; prefix-cache hits count as computed tokens.
+
+A step's tokens count as computed, and its samples as pending, as soon as it is scheduled; its
+result comes back through `update()`. So the next step can be scheduled before that result is
+known (async scheduling): a decode then feeds the pending token, which only the device knows, and
+a request whose pending tokens end it by length sits the step out. When the result shows that a
+request stopped, what the step after computed for it is dropped.
 """
 
 from __future__ import annotations
@@ -15,7 +21,13 @@ from metrale.config import SchedulerConfig
 from metrale.engine.kv_cache_manager import KVCacheManager
 from metrale.engine.messages import EngineOutput, FinishReason
 from metrale.engine.request import Request, RequestStatus
-from metrale.engine.step import ModelRunnerOutput, ScheduledChunk, SchedulerOutput, TokenHistory
+from metrale.engine.step import (
+    PENDING_TOKEN_ID,
+    ModelRunnerOutput,
+    ScheduledChunk,
+    SchedulerOutput,
+    TokenHistory,
+)
 
 
 class Scheduler:
@@ -27,20 +39,26 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self._finished_ids: list[str] = []
+        # Requests whose steps are decided on the host from their tokens so far (a grammar,
+        # penalties, a thinking budget): the few that can make async scheduling wait.
+        self._host_decided: dict[str, Request] = {}
 
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
         self.requests[request.request_id] = request
+        params = request.sampling_params
+        if params.structured is not None or params.has_penalties or params.thinking is not None:
+            self._host_decided[request.request_id] = request
+
+    def needs_pending_tokens(self) -> bool:
+        """Whether the next step can only be scheduled once the steps in flight are back."""
+        return any(r.needs_pending_tokens for r in self._host_decided.values())
 
     def abort_request(self, request_id: str) -> EngineOutput | None:
         """End a request wherever it is; its blocks are free before the next step."""
         request = self.requests.get(request_id)
         if request is None:
             return None
-        if request.status is RequestStatus.RUNNING:
-            self.running.remove(request)
-        else:
-            self.waiting.remove(request)
         self._finish(request, FinishReason.ABORT)
         return EngineOutput(
             request_id, [], [], FinishReason.ABORT, request.num_cached_prompt_tokens
@@ -54,13 +72,14 @@ class Scheduler:
         token_budget = self.config.max_num_batched_tokens
         prefill_budget = self.config.max_prefill_tokens
         chunks: list[ScheduledChunk] = []
+        scheduled: list[Request] = []
         preempted = False
 
         i = 0
         while i < len(self.running) and len(chunks) < self.config.max_batch_size:
             request = self.running[i]
             num_new = self._num_tokens_to_compute(
-                request.num_tokens - request.num_computed_tokens, token_budget, prefill_budget
+                self._num_unscheduled(request), token_budget, prefill_budget
             )
             if num_new == 0:
                 i += 1
@@ -72,7 +91,8 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                chunks.append(self._chunk(request, num_new))
+                chunks.append(self._schedule_chunk(request, num_new))
+                scheduled.append(request)
                 token_budget -= num_new
                 if num_new > 1:
                     prefill_budget -= num_new
@@ -88,7 +108,7 @@ class Scheduler:
             cached_prefix = self.kv_cache.find_cached_prefix(request)
             num_cached = len(cached_prefix) * self.kv_cache.block_size
             num_new = self._num_tokens_to_compute(
-                request.num_tokens - num_cached, token_budget, prefill_budget
+                self._num_unscheduled(request) - num_cached, token_budget, prefill_budget
             )
             if num_new == 0 or not self.kv_cache.allocate(request, num_new, cached_prefix):
                 break
@@ -99,30 +119,31 @@ class Scheduler:
                 request.num_cached_prompt_tokens = num_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            chunks.append(self._chunk(request, num_new))
+            chunks.append(self._schedule_chunk(request, num_new))
+            scheduled.append(request)
             token_budget -= num_new
             if num_new > 1:
                 prefill_budget -= num_new
 
         finished, self._finished_ids = self._finished_ids, []
-        return SchedulerOutput(chunks, finished)
+        return SchedulerOutput(chunks, finished, scheduled)
 
     def update(self, scheduled: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineOutput]:
-        """Advance every scheduled request by the step's result and report what changed."""
+        """Give the step's sampled tokens to their requests and report what changed."""
         outputs = []
         sampled = iter(zip(result.sampled_token_ids, result.logprobs, strict=True))
-        for chunk in scheduled.chunks:
-            request = self.requests[chunk.request_id]
-            request.num_computed_tokens += chunk.num_tokens
+        for request, chunk in zip(scheduled.requests, scheduled.chunks, strict=True):
             if not chunk.samples:
                 continue
             token_id, logprobs = next(sampled)
+            if request.is_finished:  # it stopped or was aborted while this step ran
+                continue
+            request.num_pending_tokens -= 1
             request.append_output_token(token_id)
             if logprobs is not None:
                 request.output_logprobs.append(logprobs)
             finish_reason = self._check_stop(request, token_id)
             if finish_reason is not None:
-                self.running.remove(request)
                 self._finish(request, finish_reason)
             outputs.append(
                 EngineOutput(
@@ -142,29 +163,52 @@ class Scheduler:
             num_new = min(num_new, prefill_budget)
         return max(num_new, 0)
 
-    def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
+    def _num_unscheduled(self, request: Request) -> int:
+        """Tokens of the request no step has computed yet; none once its pending tokens end it."""
+        if request.num_pending_tokens and self._reaches_length(request, request.num_pending_tokens):
+            return 0
+        return request.num_tokens + request.num_pending_tokens - request.num_computed_tokens
+
+    def _reaches_length(self, request: Request, num_pending: int) -> bool:
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None and request.num_output_tokens + num_pending >= max_tokens:
+            return True
+        return request.num_tokens + num_pending >= self.config.max_seq_len
+
+    def _schedule_chunk(self, request: Request, num_new: int) -> ScheduledChunk:
+        """The request's next `num_new` tokens, counted as computed (and sampled) from now."""
         start = request.num_computed_tokens
         end = start + num_new
         params = request.sampling_params
         banned: tuple[int, ...] = ()
-        if request.num_output_tokens < params.min_tokens:
+        if request.num_scheduled_output_tokens < params.min_tokens:
             banned = params.stop_token_ids + (() if params.ignore_eos else request.eos_token_ids)
-        samples = end == request.num_tokens
+        thinking = params.thinking
+        if (
+            thinking is not None
+            and not request.inside_thinking
+            and request.num_thinking_tokens >= thinking.max_tokens
+        ):  # the budget is spent: no new block, it would be closed at once
+            banned += (thinking.start_token_id,)
+        samples = end == request.num_tokens + request.num_pending_tokens
         history = None
         if samples and params.has_penalties:
             history = TokenHistory(request.prompt_token_ids, request.output_token_ids)
+        token_ids = request.all_token_ids[start:end]
+        if end > request.num_tokens:
+            token_ids += [PENDING_TOKEN_ID] * (end - max(start, request.num_tokens))
+        request.num_computed_tokens = end
+        request.num_pending_tokens += samples
         return ScheduledChunk(
             request_id=request.request_id,
-            token_ids=request.all_token_ids[start:end],
+            token_ids=token_ids,
             start_pos=start,
             block_ids=self.kv_cache.block_ids(request.request_id),
             samples=samples,
             sampling_params=params,
             banned_token_ids=banned,
             token_history=history,
-            forced_token_id=params.thinking.end_token_id
-            if params.thinking is not None and request.thinking_budget_spent
-            else None,
+            forced_token_id=thinking.end_token_id if request.thinking_budget_spent else None,
             structured=None if request.inside_thinking else params.structured,
         )
 
@@ -175,9 +219,7 @@ class Scheduler:
             is_eos = not params.ignore_eos and token_id in request.eos_token_ids
             if is_eos or token_id in params.stop_token_ids:
                 return FinishReason.STOP
-        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
-            return FinishReason.LENGTH
-        if request.num_tokens >= self.config.max_seq_len:
+        if self._reaches_length(request, 0):
             return FinishReason.LENGTH
         return None
 
@@ -190,6 +232,11 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self._host_decided.pop(request.request_id, None)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         self.kv_cache.free(request)

@@ -4,10 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from metrale.engine.messages import TokenLogprobs
 from metrale.sampling_params import SamplingParams, StructuredOutput
+
+if TYPE_CHECKING:
+    from metrale.engine.request import Request
+
+# Stands for a token sampled by the step still in flight: the runner feeds it from the device.
+PENDING_TOKEN_ID = -1
 
 
 class TokenHistory(NamedTuple):
@@ -25,9 +31,10 @@ class TokenHistory(NamedTuple):
 class ScheduledChunk:
     """The tokens of one request that this step computes.
 
-    `token_ids` start at position `start_pos` (the request's computed tokens before the step).
-    When `samples` is true the chunk reaches the request's last known token, so the step samples
-    the next one; a chunk in the middle of a long prompt samples nothing. `token_history` is set
+    `token_ids` start at position `start_pos` (the request's computed tokens before the step);
+    the last may be `PENDING_TOKEN_ID`, sampled by the previous step and not yet seen by the host.
+    When `samples` is true the chunk reaches the request's last token, so the step samples the
+    next one; a chunk in the middle of a long prompt samples nothing. `token_history` is set
     only on sampling chunks whose params have penalties, so requests without them cost no copy.
     """
 
@@ -37,7 +44,8 @@ class ScheduledChunk:
     block_ids: Sequence[int]  # the request's block table (the KV manager's live array)
     samples: bool
     sampling_params: SamplingParams
-    banned_token_ids: tuple[int, ...] = ()  # stop tokens masked until min_tokens is reached
+    # Tokens this step may not sample: stops before min_tokens, a spent thinking budget's opener.
+    banned_token_ids: tuple[int, ...] = ()
     token_history: TokenHistory | None = None  # what the penalties count
     forced_token_id: int | None = None  # the only token this step may sample (thinking budget)
     structured: StructuredOutput | None = None  # the grammar this step's token must follow
@@ -52,6 +60,8 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk]
     # Requests that ended since the previous step: the runner drops its state for them.
     finished_request_ids: list[str] = field(default_factory=list)
+    # The scheduler's own request of each chunk, for its `update()`; the runner never reads them.
+    requests: list[Request] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -3,6 +3,9 @@
 Allocated once at the largest step size, so the per-step work is filling numpy views of host
 memory and one non-blocking copy per tensor: no allocation in the hot path, and fixed device
 addresses that a captured CUDA graph can read. On CPU the host buffer is the device buffer.
+
+The host side is pinned memory that the copies read after the host has moved on: the runner
+waits for a step's copies to be done before it fills the buffers for the next one.
 """
 
 from __future__ import annotations
@@ -43,3 +46,11 @@ class InputBuffers:
         self.query_start_loc = InputBuffer((max_num_seqs + 1,), torch.int64, device)
         self.block_tables = InputBuffer((max_num_seqs, max_blocks_per_seq), torch.int64, device)
         self.logits_indices = InputBuffer((max_num_seqs,), torch.int64, device)
+        # Where a pending token goes in `input_ids`, and its row in the previous step's samples.
+        self.pending_dst = InputBuffer((max_num_seqs,), torch.int64, device)
+        self.pending_src = InputBuffer((max_num_seqs,), torch.int64, device)
+        # The sampling parameters of each row.
+        self.temperature = InputBuffer((max_num_seqs,), torch.float32, device)
+        self.top_k = InputBuffer((max_num_seqs,), torch.int64, device)
+        self.top_p = InputBuffer((max_num_seqs,), torch.float32, device)
+        self.min_p = InputBuffer((max_num_seqs,), torch.float32, device)

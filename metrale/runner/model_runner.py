@@ -2,11 +2,16 @@
 
 The step's requests are laid end to end with no padding between them (`input_ids`,
 `positions`, `slot_mapping`), the model runs once over all of them, logits are computed only at
-each sampling chunk's last token, and the sampler picks on the device. The host waits for the
-device once, where the sampled ids come back.
+each sampling chunk's last token, and the sampler picks on the device. `launch()` queues all of
+it and returns at once; `collect()` waits for the device once, where the sampled ids come back.
+In between the host may launch the next step: its decodes read their pending input tokens from
+this step's samples, on the device.
 """
 
 from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -14,13 +19,27 @@ from torch import nn
 
 from metrale.config import CacheConfig, ModelConfig, SchedulerConfig
 from metrale.engine.messages import TokenLogprobs
-from metrale.engine.step import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
+from metrale.engine.step import (
+    PENDING_TOKEN_ID,
+    ModelRunnerOutput,
+    ScheduledChunk,
+    SchedulerOutput,
+)
 from metrale.layers.attention import AttentionMetadata, StepBatch, metadata_builder
 from metrale.runner.cuda_graphs import DecodeGraphs
 from metrale.runner.input_buffers import InputBuffers
 from metrale.runner.sampler import LogitBias, Penalties, SamplerOutput, SamplingMetadata, sample
 from metrale.runner.structured_output import StructuredOutputs
 from metrale.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class LaunchedStep:
+    """A step queued on the device; its samples reach the host once `copied` has fired."""
+
+    chunks: list[ScheduledChunk]  # the sampling chunks, one per row of `samples`
+    samples: SamplerOutput | None  # host tensors, written by non-blocking copies
+    copied: torch.cuda.Event | None  # None on CPU, where everything is already done
 
 
 class ModelRunner:
@@ -50,6 +69,12 @@ class ModelRunner:
         )
         self._generators: dict[str, torch.Generator] = {}
         self._num_samples = 0
+        # The latest step's sampled ids, on the device, and each request's row among them: the
+        # next step's pending input tokens.
+        self._last_samples = torch.zeros(0, dtype=torch.int64, device=device)
+        self._last_sample_rows: dict[str, int] = {}
+        # Fired when a step's host-to-device copies are done and its pinned buffers free again.
+        self._inputs_copied = torch.cuda.Event() if device.type == "cuda" else None
         self.structured_outputs = structured_outputs
         self.build_metadata = metadata_builder(attention_backend)
         self.graphs: DecodeGraphs | None = None
@@ -78,16 +103,20 @@ class ModelRunner:
             caches.append((k_cache, v_cache))
         return caches
 
-    @torch.inference_mode()
     def execute(self, scheduled: SchedulerOutput) -> ModelRunnerOutput:
+        return self.collect(self.launch(scheduled))
+
+    @torch.inference_mode()
+    def launch(self, scheduled: SchedulerOutput) -> LaunchedStep:
+        """Queue the step on the device and return without waiting for it."""
         for request_id in scheduled.finished_request_ids:
             self._generators.pop(request_id, None)
             if self.structured_outputs is not None:
                 self.structured_outputs.drop(request_id)
-        if scheduled.is_empty:
-            return ModelRunnerOutput([], [])
         chunks = scheduled.chunks
         sampling_chunks = [c for c in chunks if c.samples]
+        if not chunks:
+            return LaunchedStep([], None, None)
         graph = self.graphs.graph_for(chunks) if self.graphs is not None else None
         if graph is not None:
             self._fill_inputs(chunks, padded_num_seqs=graph.num_seqs)
@@ -96,17 +125,29 @@ class ModelRunner:
             input_ids, positions, meta, logits_indices = self._prepare_inputs(chunks)
             hidden = self.model(input_ids, positions, meta)  # [num_tokens, hidden_size]
             if not sampling_chunks:
-                return ModelRunnerOutput([], [])
+                self._record_inputs_copied()
+                return LaunchedStep([], None, None)
             logits = self.model.compute_logits(hidden[logits_indices])
-        result = sample(logits.float(), self._sampling_metadata(sampling_chunks))
-        return self._to_host(result, sampling_chunks)
+        metadata = self._sampling_metadata(sampling_chunks)
+        self._record_inputs_copied()
+        result = sample(logits.float(), metadata)
+        self._last_samples = result.token_ids
+        self._last_sample_rows = {c.request_id: row for row, c in enumerate(sampling_chunks)}
+        return self._copy_to_host(result, sampling_chunks)
+
+    def _record_inputs_copied(self) -> None:
+        if self._inputs_copied is not None:
+            self._inputs_copied.record()
 
     def _fill_inputs(self, chunks: list[ScheduledChunk], padded_num_seqs: int = 0) -> StepBatch:
         """Lay the chunks end to end in the input buffers; copy them to the device.
 
         With `padded_num_seqs` (a CUDA-graph batch of one token per sequence), rows past the
-        real ones are padding: they store nothing and attend to one token of block 0.
+        real ones are padding: they store nothing and attend to one token of block 0. A
+        pending token is taken from the previous step's samples once the ids are on the device.
         """
+        if self._inputs_copied is not None:
+            self._inputs_copied.synchronize()  # the previous step's copies have read the buffers
         b = self.buffers
         bs = self.block_size
         num_tokens = 0
@@ -114,6 +155,7 @@ class ModelRunner:
         max_blocks = 0
         max_query_len = 0
         num_samples = 0
+        num_pending = 0
         b.query_start_loc.np[0] = 0
         for i, chunk in enumerate(chunks):
             n = chunk.num_tokens
@@ -121,6 +163,10 @@ class ModelRunner:
             start = chunk.start_pos
             block_ids = chunk.block_ids
             b.block_tables.np[i, : len(block_ids)] = block_ids
+            if chunk.token_ids[-1] == PENDING_TOKEN_ID:
+                b.pending_dst.np[num_pending] = end - 1
+                b.pending_src.np[num_pending] = self._last_sample_rows[chunk.request_id]
+                num_pending += 1
             if n == 1:  # decode: scalar writes, no temporary arrays (most rows of big batches)
                 b.input_ids.np[num_tokens] = chunk.token_ids[0]
                 b.positions.np[num_tokens] = start
@@ -153,7 +199,10 @@ class ModelRunner:
             num_tokens = num_seqs = padded_num_seqs
             max_blocks = b.block_tables.np.shape[1]
             max_query_len = 1
-        b.input_ids.copy_to_device(num_tokens)
+        input_ids = b.input_ids.copy_to_device(num_tokens)
+        if num_pending:
+            dst = b.pending_dst.copy_to_device(num_pending)
+            input_ids[dst] = self._last_samples[b.pending_src.copy_to_device(num_pending)]
         b.positions.copy_to_device(num_tokens)
         return StepBatch(
             slot_mapping=b.slot_mapping.copy_to_device(num_tokens),
@@ -183,6 +232,12 @@ class ModelRunner:
     def _sampling_metadata(self, chunks: list[ScheduledChunk]) -> SamplingMetadata:
         params = [c.sampling_params for c in chunks]
         vocab_size = self.model_config.vocab_size
+        b = self.buffers
+        n = len(params)
+        b.temperature.np[:n] = [p.temperature for p in params]
+        b.top_k.np[:n] = [p.top_k or vocab_size for p in params]
+        b.top_p.np[:n] = [p.top_p for p in params]
+        b.min_p.np[:n] = [p.min_p for p in params]
         generators = {}
         for row, chunk in enumerate(chunks):
             seed = chunk.sampling_params.seed
@@ -190,10 +245,10 @@ class ModelRunner:
                 generators[row] = self._generator(chunk.request_id, seed)
         logprobs = [p.logprobs for p in params if p.logprobs is not None]
         return SamplingMetadata(
-            temperature=self._tensor([p.temperature for p in params], torch.float32),
-            top_k=self._tensor([p.top_k or vocab_size for p in params], torch.int64),
-            top_p=self._tensor([p.top_p for p in params], torch.float32),
-            min_p=self._tensor([p.min_p for p in params], torch.float32),
+            temperature=b.temperature.copy_to_device(n),
+            top_k=b.top_k.copy_to_device(n),
+            top_p=b.top_p.copy_to_device(n),
+            min_p=b.min_p.copy_to_device(n),
             all_greedy=all(p.greedy for p in params),
             any_top_k_or_p=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
             any_min_p=any(p.min_p > 0 for p in params),
@@ -275,8 +330,28 @@ class ModelRunner:
     def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
 
-    def _to_host(self, result: SamplerOutput, chunks: list[ScheduledChunk]) -> ModelRunnerOutput:
-        token_ids = result.token_ids.tolist()  # the step's one sync with the device
+    def _copy_to_host(self, result: SamplerOutput, chunks: list[ScheduledChunk]) -> LaunchedStep:
+        if self.device.type != "cuda":
+            return LaunchedStep(chunks, result, None)
+
+        def to_host(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to("cpu", non_blocking=True)  # into pinned memory
+
+        host = SamplerOutput(
+            *(to_host(getattr(result, f.name)) for f in dataclasses.fields(result))
+        )
+        copied = torch.cuda.Event()
+        copied.record()
+        return LaunchedStep(chunks, host, copied)
+
+    def collect(self, step: LaunchedStep) -> ModelRunnerOutput:
+        """Wait for a launched step's samples (the step's one sync with the device)."""
+        if step.samples is None:
+            return ModelRunnerOutput([], [])
+        if step.copied is not None:
+            step.copied.synchronize()
+        result, chunks = step.samples, step.chunks
+        token_ids = result.token_ids.tolist()
         for chunk, token_id in zip(chunks, token_ids, strict=True):
             if chunk.structured is not None and self.structured_outputs is not None:
                 self.structured_outputs.accept(chunk.request_id, token_id)

@@ -177,8 +177,8 @@ def test_shared_cached_block_is_not_freed_while_held():
 
 def test_eos_stops_unless_ignored_and_min_tokens_bans_it():
     class EosRunner(FakeRunner):
-        def execute(self, scheduled):
-            out = super().execute(scheduled)
+        def collect(self, scheduled):
+            out = super().collect(scheduled)
             return type(out)([1] * len(out.sampled_token_ids), out.logprobs)
 
     s = make_scheduler()

@@ -7,9 +7,10 @@ import pytest
 from metrale import LLM, SamplingParams
 
 
-@pytest.fixture(scope="module")
-def llm(qwen3_dir):
-    return LLM(model_from_path=str(qwen3_dir), max_seq_len=128)
+@pytest.fixture(scope="module", params=["sync", "async"])
+def llm(qwen3_dir, request):
+    """Every knob under both schedulings: async feeds decodes tokens the host has not seen."""
+    return LLM(model_from_path=str(qwen3_dir), max_seq_len=128, scheduler_config=request.param)
 
 
 def test_text_prompt_is_tokenized_and_output_detokenized(llm):

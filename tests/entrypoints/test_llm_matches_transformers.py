@@ -111,22 +111,39 @@ def check(outputs, refs, what):
                 assert abs(lp - ref_lp) < LOGPROB_TOL
 
 
-def test_batched(case):
+# Async scheduling feeds each decode the token sampled by the step before, on the device.
+SCHEDULING = pytest.mark.parametrize("scheduling", ["sync", "async"])
+
+
+@SCHEDULING
+def test_batched(case, scheduling):
     model_dir, prompts, refs = case
-    llm = LLM(model_from_path=str(model_dir), dtype="float32")
+    llm = LLM(model_from_path=str(model_dir), dtype="float32", scheduler_config=scheduling)
     check(llm.generate(prompts, GREEDY, use_tqdm=False), refs, "batched")
 
 
-def test_chunked_prefill(case):
+@SCHEDULING
+def test_chunked_prefill(case, scheduling):
     model_dir, prompts, refs = case
-    llm = LLM(model_from_path=str(model_dir), dtype="float32", max_prefill_tokens=7)
+    llm = LLM(
+        model_from_path=str(model_dir),
+        dtype="float32",
+        max_prefill_tokens=7,
+        scheduler_config=scheduling,
+    )
     check(llm.generate(prompts, GREEDY, use_tqdm=False), refs, "chunked prefill")
 
 
-def test_preemption(case):
+@SCHEDULING
+def test_preemption(case, scheduling):
     model_dir, prompts, refs = case
     # The longest request needs 64 + 24 tokens = 6 blocks; 12 blocks cannot hold all six.
-    llm = LLM(model_from_path=str(model_dir), dtype="float32", num_kv_blocks=12)
+    llm = LLM(
+        model_from_path=str(model_dir),
+        dtype="float32",
+        num_kv_blocks=12,
+        scheduler_config=scheduling,
+    )
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert llm.engine.scheduler.num_preemptions > 0, "the tiny pool must force preemption"
     check(outputs, refs, "preemption")

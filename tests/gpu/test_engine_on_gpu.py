@@ -67,3 +67,32 @@ def test_bfloat16_with_graphs_and_gpu_memory_sizing(tmp_path):
     memory = device_memory(llm.engine)  # what /memory reports
     assert memory.total_bytes > memory.used_bytes >= memory.allocated_bytes > 0
     assert memory.budget_bytes == int(memory.total_bytes * 0.5)
+
+
+def test_async_scheduling_gives_the_sync_tokens(tmp_path):
+    """Same batches, same kernels: async must reproduce sync bit for bit, graphs and all."""
+    model_dir = build_checkpoint(tmp_path, "qwen3")
+    batch = prompts((5, 17, 40, 33, 64, 1, 300, 9))
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=0.8, top_p=0.9, max_tokens=33, seed=7, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=25, min_tokens=3),
+        SamplingParams(temperature=1.0, top_k=20, max_tokens=48, seed=1, ignore_eos=True),
+    ] * 2
+    runs = {}
+    for scheduling in ("sync", "async"):
+        llm = LLM(
+            model_from_path=str(model_dir),
+            dtype="bfloat16",
+            device="cuda",
+            max_prefill_tokens=64,
+            num_kv_blocks=256,
+            scheduler_config=scheduling,
+        )
+        assert llm.engine.config.async_scheduling == (scheduling == "async")
+        runs[scheduling] = [
+            (o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].logprobs)
+            for o in llm.generate(batch, params, use_tqdm=False)
+        ]
+        assert llm.engine.scheduler.kv_cache.pool.num_used_blocks == 0
+    assert runs["async"] == runs["sync"]
