@@ -119,37 +119,46 @@ def release(core: EngineCore) -> None:
 
 
 def profile(results: dict) -> None:
-    """Where a batch-1 decode step of the 8B shape spends its time (eager, kernel by kernel)."""
-    core = engine(
-        LLAMA_8B, max_seq_len=2048, max_num_seqs=8, gpu_memory_utilization=0.85, enforce_eager=True
-    )
-    prompt = torch.randint(0, 128000, (128,)).tolist()
-    core.add_request(
-        EngineRequest(
-            "p", prompt, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True), 0.0
+    """Where a batch-1 decode step of the 8B shape spends its time, kernel by kernel: eager,
+    and replayed from CUDA graphs (whose kernel sum against the step's wall time shows the
+    gaps between kernels)."""
+    for eager in (True, False):
+        mode = "eager" if eager else "graphs"
+        core = engine(
+            LLAMA_8B,
+            max_seq_len=2048,
+            max_num_seqs=8,
+            gpu_memory_utilization=0.85,
+            enforce_eager=eager,
         )
-    )
-    for _ in range(8):
-        core.step()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(20):
-        core.step()
-    torch.cuda.synchronize()
-    eager_ms = (time.perf_counter() - start) / 20 * 1000
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
-
-    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(5):
+        prompt = torch.randint(0, 128000, (128,)).tolist()
+        params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+        core.add_request(EngineRequest("p", prompt, params, 0.0))
+        for _ in range(8):
             core.step()
         torch.cuda.synchronize()
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
-    out = Path(os.environ.get("OUT", ROOT / "results")) / "profile_b1_eager.txt"
-    out.write_text(f"eager decode step: {eager_ms:.2f} ms\n\n{table}\n")
-    results["profile_b1_eager_ms_per_step"] = eager_ms
-    print(f"eager B1 step {eager_ms:.2f} ms; profile in {out}")
-    release(core)
+        start = time.perf_counter()
+        for _ in range(20):
+            core.step()
+        torch.cuda.synchronize()
+        step_ms = (time.perf_counter() - start) / 20 * 1000
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                core.step()
+            torch.cuda.synchronize()
+        events = prof.key_averages()
+        kernel_ms = sum(e.self_device_time_total for e in events) / 1000 / 5
+        table = events.table(sort_by="self_cuda_time_total", row_limit=30)
+        out = Path(os.environ.get("OUT", ROOT / "results")) / f"profile_b1_{mode}.txt"
+        out.write_text(
+            f"{mode} decode step: {step_ms:.3f} ms wall, {kernel_ms:.3f} ms of kernels\n\n{table}\n"
+        )
+        results[f"profile_b1_{mode}"] = {"ms_per_step": step_ms, "kernel_ms_per_step": kernel_ms}
+        print(f"{mode} B1 step {step_ms:.3f} ms, kernels {kernel_ms:.3f} ms; profile in {out}")
+        release(core)
 
 
 def bandwidth() -> dict[str, float]:

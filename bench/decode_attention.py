@@ -1,0 +1,209 @@
+"""Paged decode attention at B3's shapes: how close to the memory roofline, which launch wins.
+
+Llama-3.1-8B heads (32 query, 8 kv, head_dim 128), bf16, blocks of 16 tokens scattered over the
+pool, contexts uniform in [1000, 2000]. Reports the kernel's time and the bandwidth it reaches
+reading the cached keys and values, for each launch configuration of the split kernel, next to
+torch's `scaled_dot_product_attention` over the same keys and values laid out contiguously (the
+in-run reference).
+
+    python bench/decode_attention.py [--batch 512] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import json
+import os
+from pathlib import Path
+
+import torch
+import triton
+
+from metrale.kernels import paged_decode_attention as pda
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
+
+
+def timed(fn, repeats: int = 20) -> float:
+    """Median seconds of `fn` (a CUDA graph is not needed: the kernels are long)."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1000)
+    return sorted(times)[len(times) // 2]
+
+
+def copy_bandwidth() -> float:
+    """Bytes per second of a 2 GiB device-to-device copy, read and write counted."""
+    src = torch.empty(2**30, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * 2 / timed(lambda: dst.copy_(src), 10)
+
+
+def split_and_reduce(
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    seq_lens,
+    scale,
+    out,
+    part_max,
+    part_sum,
+    part_acc,
+    splits,
+    partition,
+    block_n,
+    warps,
+    stages,
+) -> None:
+    """One launch of both passes with a chosen configuration of the split kernel."""
+    batch = q.shape[0]
+    pda._paged_decode_split_kernel[(batch, NUM_KV_HEADS, splits)](
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        part_max,
+        part_sum,
+        part_acc,
+        scale,
+        0,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        splits,
+        partition,
+        NUM_HEADS=NUM_HEADS,
+        GROUP_SIZE=NUM_HEADS // NUM_KV_HEADS,
+        BLOCK_G=16,
+        HEAD_DIM=HEAD_DIM,
+        BLOCK_N=block_n,
+        BLOCK_SIZE=BLOCK_SIZE,
+        HAS_WINDOW=False,
+        DOT_PRECISION="tf32",
+        num_warps=warps,
+        num_stages=stages,
+    )
+    pda._paged_decode_reduce_kernel[(batch, NUM_HEADS)](
+        part_max,
+        part_sum,
+        part_acc,
+        out,
+        out.stride(0),
+        out.stride(1),
+        splits,
+        NUM_HEADS=NUM_HEADS,
+        BLOCK_S=triton.next_power_of_2(splits),
+        HEAD_DIM=HEAD_DIM,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch", type=int, default=512)
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench/results")))
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    batch = args.batch
+    seq_lens = torch.randint(1000, 2001, (batch,), device="cuda")
+    max_blocks = triton.cdiv(2000, BLOCK_SIZE)
+    num_blocks = batch * max_blocks + 1
+    shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    k_cache = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
+    v_cache = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
+    block_tables = torch.randperm(num_blocks - 1, device="cuda")[: batch * max_blocks]
+    block_tables = block_tables.view(batch, max_blocks)
+    q = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+    scale = HEAD_DIM**-0.5
+    kv_bytes = int(seq_lens.sum()) * NUM_KV_HEADS * HEAD_DIM * 2 * 2
+
+    results: dict = {"batch": batch, "kv_bytes": kv_bytes, "device": torch.cuda.get_device_name()}
+
+    def report(name: str, seconds: float) -> None:
+        results[name] = {"ms": seconds * 1e3, "tb_per_s": kv_bytes / seconds / 1e12}
+        print(f"{name:40s} {seconds * 1e3:8.3f} ms  {kv_bytes / seconds / 1e12:5.2f} TB/s")
+
+    results["copy_tb_per_s"] = copy_bandwidth() / 1e12
+    print(f"copy bandwidth {results['copy_tb_per_s']:.2f} TB/s (read + write)")
+
+    expected = pda.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    report(
+        "metrale (default launch)",
+        timed(
+            lambda: pda.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
+        ),
+    )
+
+    # Sweep the split kernel's launch: splits, key tile, warps, pipeline stages.
+    out = torch.empty_like(q)
+    max_context = max_blocks * BLOCK_SIZE
+    for num_splits, block_n, warps, stages in itertools.product(
+        (1, 2, 4), (32, 64, 128), (4, 8), (2, 3, 4)
+    ):
+        partition = triton.cdiv(triton.cdiv(max_context, num_splits), block_n) * block_n
+        splits = triton.cdiv(max_context, partition)
+        part_max = torch.empty((batch, NUM_HEADS, splits), dtype=torch.float32, device="cuda")
+        part_sum = torch.empty_like(part_max)
+        part_acc = torch.empty(
+            (batch, NUM_HEADS, splits, HEAD_DIM), dtype=torch.float32, device="cuda"
+        )
+
+        launch = functools.partial(
+            split_and_reduce,
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            seq_lens,
+            scale,
+            out,
+            part_max,
+            part_sum,
+            part_acc,
+            splits,
+            partition,
+            block_n,
+            warps,
+            stages,
+        )
+
+        try:
+            seconds = timed(launch, 5)
+        except Exception as e:  # out of shared memory for the bigger tiles
+            print(f"splits={num_splits} block_n={block_n} warps={warps} stages={stages}: {e}")
+            continue
+        assert torch.allclose(out, expected, atol=2e-2, rtol=2e-2)
+        report(f"splits={splits} block_n={block_n} w={warps} s={stages}", seconds)
+
+    # The reference: torch SDPA over the same keys and values, contiguous and padded to 2000.
+    keys = torch.randn(batch, NUM_KV_HEADS, 2000, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+    values = torch.randn_like(keys)
+    qs = q.view(batch, NUM_HEADS, 1, HEAD_DIM)
+    padded_bytes = keys.numel() * 2 * 2
+    seconds = timed(
+        lambda: torch.nn.functional.scaled_dot_product_attention(qs, keys, values, enable_gqa=True)
+    )
+    results["torch_sdpa_padded"] = {"ms": seconds * 1e3, "tb_per_s": padded_bytes / seconds / 1e12}
+    print(
+        f"torch sdpa (contiguous, 2000 keys each) {seconds * 1e3:8.3f} ms  "
+        f"{padded_bytes / seconds / 1e12:5.2f} TB/s"
+    )
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "decode_attention.json").write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
