@@ -71,7 +71,14 @@ def _download(repo_id: str) -> Path:
         return Path(
             snapshot_download(
                 repo_id,
-                allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt"],
+                allow_patterns=[
+                    "*.json",
+                    "*.safetensors",
+                    "*.jinja",
+                    "*.model",
+                    "*.txt",
+                    "MODEL.toml",
+                ],
             )
         )
     except Exception as e:  # the hub client raises many kinds; all mean the same to the user

@@ -1,48 +1,143 @@
-"""Which tool-call and reasoning parsers a served model gets.
+"""Which tool-call and reasoning parsers a served model gets, and its thinking budget.
 
-The flag wins (`--tool-call-parser`, `--reasoning-parser`); then `tool_defaults.toml`, keyed by
-the checkpoint's `model_type`; then, for tool calls, the format the chat template reveals.
+Each choice is taken from the first source that makes it, in this order:
+
+1. the flag (`--tool-call-parser`, `--reasoning-parser`, `--max-thinking-budget`);
+2. the checkpoint's own `MODEL.toml` `[behavior]` (see `metrale.recipes`);
+3. the shipped recipe that matches the checkpoint (`metrale/recipes/*.toml`);
+4. `tool_defaults.toml`, keyed by the checkpoint's `model_type` (parsers only);
+5. for tool calls, the format the chat template reveals; else none.
+
+A source saying "none" ends the search; a tool-call parser of "auto" means step 5. When the
+recipes set `thinking_steering = false` there is no server-wide thinking budget at all: only
+a budget a request states is enforced.
+
+`behavior_sources` reads and checks every file and flag, early in startup; `choose_behavior`
+then needs only the chat template.
 """
 
 from __future__ import annotations
 
+import logging
 import tomllib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
+from pathlib import Path
+from typing import Any
 
-from metrale.frontend.reasoning import reasoning_parser_names
-from metrale.frontend.tool_parsers import detect_tool_parser, tool_parser_names
+from metrale.frontend.tool_parsers import detect_tool_parser
+from metrale.recipes import (
+    AUTO,
+    NONE,
+    Behavior,
+    Checkpoint,
+    Recipe,
+    behavior_value_problem,
+    checkpoint_recipe,
+    match_recipe,
+    parse_behavior,
+    shipped_recipes,
+)
 
-NONE = "none"
+logger = logging.getLogger(__name__)
+
+FLAGS = "flags"
 
 
 @dataclass(frozen=True)
-class ParserChoice:
-    tool_call_parser: str | None
-    reasoning_parser: str | None
+class Source:
+    """One place choices come from; `label` is what the startup log says."""
+
+    label: str  # FLAGS for the command line, else e.g. "recipe qwen3"
+    behavior: Behavior
+
+    def label_for(self, field: str) -> str:
+        return "--" + field.replace("_", "-") if self.label == FLAGS else self.label
 
 
-def model_type_defaults(model_type: str) -> dict[str, str]:
-    text = (resources.files("metrale.frontend") / "tool_defaults.toml").read_text()
-    return tomllib.loads(text).get(model_type, {})
+@dataclass(frozen=True)
+class BehaviorChoice:
+    """What the server runs with, and where each value came from."""
 
+    tool_call_parser: str | None  # None: tool calls stay text
+    reasoning_parser: str | None  # None: thinking stays in the content
+    max_thinking_budget: int | None  # tokens; None: only what a request asks for
+    tool_call_parser_source: str
+    reasoning_parser_source: str
+    max_thinking_budget_source: str
 
-def choose_parsers(
-    tool_flag: str | None, reasoning_flag: str | None, model_type: str, chat_template: str
-) -> ParserChoice:
-    defaults = model_type_defaults(model_type)
-    tool = tool_flag or defaults.get("tool_call_parser") or "auto"
-    if tool == "auto":
-        tool = detect_tool_parser(chat_template) or NONE
-    if tool != NONE and tool not in tool_parser_names():
-        raise ValueError(
-            f"--tool-call-parser {tool!r}: known formats are "
-            f"{', '.join(tool_parser_names())}, auto or none"
+    def describe(self) -> str:
+        budget = "none" if self.max_thinking_budget is None else f"{self.max_thinking_budget}"
+        return (
+            f"tool-call parser {self.tool_call_parser or NONE} ({self.tool_call_parser_source}); "
+            f"reasoning parser {self.reasoning_parser or NONE} "
+            f"({self.reasoning_parser_source}); "
+            f"max thinking budget {budget} ({self.max_thinking_budget_source})"
         )
-    reasoning = reasoning_flag or defaults.get("reasoning_parser") or NONE
-    if reasoning != NONE and reasoning not in reasoning_parser_names():
-        raise ValueError(
-            f"--reasoning-parser {reasoning!r}: known formats are "
-            f"{', '.join(reasoning_parser_names())} or none"
-        )
-    return ParserChoice(None if tool == NONE else tool, None if reasoning == NONE else reasoning)
+
+
+def model_type_defaults(model_type: str) -> Behavior:
+    """`tool_defaults.toml`'s entry for `model_type`; empty if it has none."""
+    entry = resources.files("metrale.frontend") / "tool_defaults.toml"
+    table = tomllib.loads(entry.read_text()).get(model_type, {})
+    return parse_behavior(table, f"{entry} [{model_type}]")
+
+
+def behavior_sources(
+    flags: Behavior,
+    model_dir: Path,
+    checkpoint: Checkpoint,
+    recipes: Sequence[Recipe] | None = None,
+) -> tuple[Source, ...]:
+    """Every source of choices for this checkpoint, first wins. `flags` holds the command
+    line's values; `recipes` defaults to the shipped ones. Raises ValueError (RecipeError for
+    a file) naming what is wrong."""
+    for field, value in vars(flags).items():
+        if value is not None and (problem := behavior_value_problem(field, value)) is not None:
+            raise ValueError(f"--{field.replace('_', '-')} {value!r} {problem}")
+    sources = [Source(FLAGS, flags)]
+    if (own := checkpoint_recipe(model_dir)) is not None:
+        sources.append(Source(f"checkpoint's {own.path}", own.behavior))
+    shipped = match_recipe(checkpoint, shipped_recipes() if recipes is None else recipes)
+    if shipped is not None:
+        sources.append(Source(f"recipe {shipped.name}", shipped.behavior))
+    defaults = model_type_defaults(checkpoint.model_type)
+    sources.append(Source(f"tool_defaults.toml, model_type {checkpoint.model_type}", defaults))
+    return tuple(sources)
+
+
+def choose_behavior(sources: Sequence[Source], chat_template: str) -> BehaviorChoice:
+    tool, tool_from = _first(sources, "tool_call_parser")
+    if tool is None or tool == AUTO:
+        tool = detect_tool_parser(chat_template)
+        tool_from = "chat template" if tool is not None else "no format in the chat template"
+    reasoning, reasoning_from = _first(sources, "reasoning_parser")
+    budget, budget_from = _first(sources, "max_thinking_budget")
+    steering, steering_from = _first(sources, "thinking_steering")
+    if steering is False:
+        flag_budget = sources[0].behavior.max_thinking_budget if sources[0].label == FLAGS else None
+        if flag_budget is not None:
+            logger.warning(
+                "--max-thinking-budget %d is not applied: %s sets thinking_steering = false, "
+                "so only a budget a request states is enforced",
+                flag_budget,
+                steering_from,
+            )
+        budget, budget_from = None, f"thinking_steering = false in {steering_from}"
+    return BehaviorChoice(
+        None if tool in (None, NONE) else tool,
+        None if reasoning in (None, NONE) else reasoning,
+        budget,
+        tool_from,
+        reasoning_from,
+        budget_from,
+    )
+
+
+def _first(sources: Sequence[Source], field: str) -> tuple[Any, str]:
+    for source in sources:
+        value = getattr(source.behavior, field)
+        if value is not None:
+            return value, source.label_for(field)
+    return None, "default"

@@ -74,12 +74,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--tool-call-parser",
         help="how tool calls appear in the model's output: hermes, qwen3_coder, qwen3_xml, "
         "gemma4, mistral, minimax_xml, bare_json, poolside_v1, auto (from the chat template) or "
-        "none (default: by model type, else auto)",
+        "none (default: the checkpoint's MODEL.toml, else a recipe in metrale/recipes/, else by "
+        "model type, else auto)",
     )
     g.add_argument(
         "--reasoning-parser",
         help="split <think> blocks into reasoning_content: qwen3, deepseek_r1 or none "
-        "(default: by model type)",
+        "(default: the checkpoint's MODEL.toml, else a recipe, else by model type)",
     )
     g.add_argument(
         "--reasoning-field",
@@ -92,7 +93,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         metavar="TOKENS",
         help="close a thinking block by forcing </think> once it has this many tokens "
-        "(requests can ask for less with reasoning_effort)",
+        "(requests can ask for less with reasoning_effort; default: the checkpoint's MODEL.toml "
+        "or recipe [behavior].max_thinking_budget, else none)",
     )
     g.add_argument(
         "--disable-thinking",
@@ -117,8 +119,9 @@ async def _serve(args: argparse.Namespace) -> int:
     from metrale.config import ModelConfig
     from metrale.engine.client import EngineClient
     from metrale.frontend.async_llm import AsyncLLM
-    from metrale.frontend.parser_selection import choose_parsers
+    from metrale.frontend.parser_selection import behavior_sources, choose_behavior
     from metrale.models import model_class_for
+    from metrale.recipes import Behavior, Checkpoint, repo_id_of
     from metrale.server.app import build_app
     from metrale.server.state import ServerSettings, ServerState
     from metrale.tokenizer import Tokenizer
@@ -131,6 +134,16 @@ async def _serve(args: argparse.Namespace) -> int:
     with phase("load config"):
         config = engine_args.create_config(model_dir)
         model_cls = model_class_for(config.model.architecture)
+        # Read and check the flags, MODEL.toml and recipes now, before the weights load.
+        sources = behavior_sources(
+            Behavior(args.tool_call_parser, args.reasoning_parser, args.max_thinking_budget),
+            model_dir,
+            Checkpoint(
+                repo_id_of(config.model_name, model_dir),
+                config.model.architecture,
+                config.model.model_type,
+            ),
+        )
     with phase("select kernels"):
         logger.info("attention backend: torch (scaled_dot_product_attention over paged KV)")
     with phase("backend"):
@@ -150,14 +163,8 @@ async def _serve(args: argparse.Namespace) -> int:
                 model_type=config.model.model_type,
             )
             template_text = "\n".join(t.text for t in tokenizer.chat_template.sources.values())
-            parsers = choose_parsers(
-                args.tool_call_parser, args.reasoning_parser, config.model.model_type, template_text
-            )
-            logger.info(
-                "tool-call parser: %s; reasoning parser: %s",
-                parsers.tool_call_parser or "none",
-                parsers.reasoning_parser or "none",
-            )
+            behavior = choose_behavior(sources, template_text)
+            logger.info("%s", behavior.describe())
         with phase("scheduler"):
             llm = AsyncLLM(client, tokenizer)
             llm.start()
@@ -177,10 +184,10 @@ async def _serve(args: argparse.Namespace) -> int:
                 served_model_name=name,
                 request_timeout_s=args.request_timeout,
                 always_include_usage=args.always_include_usage,
-                tool_call_parser=parsers.tool_call_parser,
-                reasoning_parser=parsers.reasoning_parser,
+                tool_call_parser=behavior.tool_call_parser,
+                reasoning_parser=behavior.reasoning_parser,
                 reasoning_field=args.reasoning_field,
-                max_thinking_budget=args.max_thinking_budget,
+                max_thinking_budget=behavior.max_thinking_budget,
                 disable_thinking=args.disable_thinking,
             )
             state = ServerState(
@@ -188,7 +195,7 @@ async def _serve(args: argparse.Namespace) -> int:
                 tokenizer,
                 config,
                 settings,
-                serve_config=_effective_config(args, config, settings),
+                serve_config=_effective_config(args, config, settings, behavior),
             )
             app = build_app(state)
         server = _Server(
@@ -239,7 +246,9 @@ class _Server(uvicorn.Server):
         yield
 
 
-def _effective_config(args: argparse.Namespace, config: Any, settings: Any) -> dict[str, Any]:
+def _effective_config(
+    args: argparse.Namespace, config: Any, settings: Any, behavior: Any
+) -> dict[str, Any]:
     def plain(value: Any) -> Any:
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
             return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
@@ -253,6 +262,12 @@ def _effective_config(args: argparse.Namespace, config: Any, settings: Any) -> d
 
     return {
         "server": {"bind": args.bind, "port": args.port, **plain(settings)},
+        # where the parsers and the thinking budget came from: a flag, MODEL.toml, a recipe...
+        "behavior_sources": {
+            "tool_call_parser": behavior.tool_call_parser_source,
+            "reasoning_parser": behavior.reasoning_parser_source,
+            "max_thinking_budget": behavior.max_thinking_budget_source,
+        },
         "engine": plain(config),
     }
 
