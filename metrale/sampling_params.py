@@ -60,7 +60,8 @@ class SamplingParams:
     Hugging Face (repetition: over prompt and output). `stop` strings are matched on the text
     by the frontend; the engine sees only token ids. `logprobs=N` returns the sampled token's
     log-probability plus the top N; the values are those of the model's raw distribution
-    (before temperature and filters), as in vLLM.
+    (before temperature and filters), as in vLLM. `kept_special_token_ids`: special tokens
+    that stay in the text even with `skip_special_tokens` (a tool-call format's markers).
     """
 
     n: int = 1
@@ -81,6 +82,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    kept_special_token_ids: tuple[int, ...] = ()
     thinking: ThinkingBudget | None = None
     structured: StructuredOutput | None = None
 
@@ -88,6 +90,7 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "kept_special_token_ids", tuple(self.kept_special_token_ids))
         object.__setattr__(
             self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         )

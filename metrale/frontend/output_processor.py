@@ -53,7 +53,9 @@ class OutputProcessor:
         self._states[request_id] = _RequestState(
             params=params,
             num_prompt_tokens=num_prompt_tokens,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
+            detokenizer=IncrementalDetokenizer(
+                self.tokenizer, params.skip_special_tokens, params.kept_special_token_ids
+            ),
             stops=StopStringMatcher(params.stop, params.include_stop_str_in_output),
         )
 

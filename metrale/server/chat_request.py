@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 from typing import Any
 
@@ -19,7 +20,7 @@ from metrale.frontend.reasoning import (
     prompt_opens_reasoning,
     reasoning_format,
 )
-from metrale.frontend.tool_parsers import make_tool_parser, tool_specs
+from metrale.frontend.tool_parsers import make_tool_parser, tool_parser_class, tool_specs
 from metrale.sampling_params import SamplingParams, StructuredOutput, ThinkingBudget
 from metrale.server.errors import APIError
 from metrale.server.protocol import ChatCompletionRequest, ChatMessage
@@ -104,23 +105,33 @@ def build_prompt(state: ServerState, body: ChatCompletionRequest) -> tuple[str, 
     return text, state.tokenizer.encode(text, add_special_tokens=False)
 
 
-def at_most_one_tool_call(
+def tool_call_params(
     state: ServerState, body: ChatCompletionRequest, params: SamplingParams
 ) -> SamplingParams:
-    """`parallel_tool_calls: false`: end the reply right after its first call.
+    """What the tool-call format needs of the engine's parameters, when its parser reads the
+    reply: its markers kept in the text, and with `parallel_tool_calls: false`, a stop after the
+    first call.
 
-    Done with a stop string kept in the output, so the parser still sees the whole call; only
-    the hermes format has a closing tag to stop on, and a request with stop strings of its own
-    keeps them (including the tag would change how those are reported).
+    Markers that are special tokens (Mistral's ``[TOOL_CALLS]``, Gemma's ``<|tool_call>``) would
+    be dropped with the other special tokens; they are kept, and only they. The stop is a stop
+    string kept in the output, so the parser still sees the whole call; it needs a format with
+    a marker that ends one call, and a request with stop strings of its own keeps them
+    (including the marker would change how those are reported).
     """
-    if (
-        body.parallel_tool_calls is not False
-        or not body.tools
-        or params.stop
-        or state.settings.tool_call_parser != "hermes"
-    ):
+    name = state.settings.tool_call_parser
+    if not body.tools or body.tool_choice == "none" or name is None:
         return params
-    return dataclasses.replace(params, stop=("</tool_call>",), include_stop_str_in_output=True)
+    parser_class = tool_parser_class(name)
+    special_ids = set(state.tokenizer.all_special_ids)
+    marker_ids = [state.tokenizer.token_to_id(marker) for marker in parser_class.markers]
+    kept = tuple(sorted({i for i in marker_ids if i is not None and i in special_ids}))
+    if kept and params.skip_special_tokens:
+        params = dataclasses.replace(params, kept_special_token_ids=kept)
+    if body.parallel_tool_calls is False and parser_class.call_end is not None and not params.stop:
+        params = dataclasses.replace(
+            params, stop=(parser_class.call_end,), include_stop_str_in_output=True
+        )
+    return params
 
 
 def structured_output(state: ServerState, body: ChatCompletionRequest) -> StructuredOutput | None:
@@ -164,43 +175,49 @@ def structured_output(state: ServerState, body: ChatCompletionRequest) -> Struct
 
 
 def _tool_call_grammar(state: ServerState, body: ChatCompletionRequest) -> StructuredOutput:
-    """`tool_choice` required or named: the reply must be one call in the parser's format."""
-    functions = {t.get("function", {}).get("name"): t.get("function", {}) for t in body.tools or []}
+    """`tool_choice` required or named: the reply must be one call in the parser's format, to
+    one of the tools (required) or to the one named."""
+    tools = body.tools or []
     choice = body.tool_choice
     if isinstance(choice, dict):
         name = (choice.get("function") or {}).get("name")
-        if name not in functions:
+        tools = [tool for tool in tools if (tool.get("function") or {}).get("name") == name]
+        if not tools:
             raise APIError(
                 f"tool_choice names {name!r}, which is not among the tools", param="tool_choice"
             )
-        functions = {name: functions[name]}
     elif choice != "required":
         raise APIError(
             f"tool_choice={choice!r}: use auto, none, required or a named function",
             param="tool_choice",
         )
-    if state.settings.tool_call_parser != "hermes":
+    format_name = state.settings.tool_call_parser
+    if format_name is None:
         raise APIError(
-            f"tool_choice {choice!r} is enforced by a grammar only for the hermes tool-call "
-            f"format so far (this model uses {state.settings.tool_call_parser}); use 'auto'",
+            f"tool_choice {choice!r} needs a tool-call format, and this server reads none "
+            f"(--tool-call-parser none); use 'auto', or serve with --tool-call-parser",
             param="tool_choice",
         )
-    calls = [
-        {
-            "type": "object",
-            "properties": {
-                "name": {"const": name},
-                "arguments": function.get("parameters") or {"type": "object"},
-            },
-            "required": ["name", "arguments"],
-            "additionalProperties": False,
-        }
-        for name, function in functions.items()
-    ]
-    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    return StructuredOutput(
-        "json", json.dumps(schema), prefix="<tool_call>\n", suffix="\n</tool_call>"
-    )
+    try:
+        grammar = _call_grammar(format_name, json.dumps(tools))
+    except Exception as e:  # a tool the format cannot write, or a schema xgrammar refuses
+        raise APIError(
+            f"tool_choice {choice!r}: cannot force a {format_name} tool call for these tools ({e})",
+            param="tools",
+        ) from None
+    if grammar is None:
+        raise APIError(
+            f"tool_choice {choice!r} cannot be enforced for the {format_name} tool-call format; "
+            f"use 'auto'",
+            param="tool_choice",
+        )
+    return StructuredOutput("grammar", grammar)
+
+
+@functools.lru_cache(maxsize=64)
+def _call_grammar(format_name: str, tools_json: str) -> str | None:
+    """Cached by the tools' text: agents send the same tools with every turn."""
+    return tool_parser_class(format_name).call_grammar(tool_specs(json.loads(tools_json)))
 
 
 def output_parser(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from metrale.tokenizer.tokenizer import Tokenizer
 
@@ -39,9 +39,20 @@ class IncrementalDetokenizer:
     invariant; finish() then returns the rest of the full decode after the emitted length.
     """
 
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        skip_special_tokens: bool = True,
+        kept_special_ids: Collection[int] = (),
+    ) -> None:
+        """``kept_special_ids``: special tokens that stay in the text even when the others are
+        skipped. They are kept by dropping the others before decoding, which is what skipping
+        does: the full decode is then that of the ids less the skipped ones."""
         self._tokenizer = tokenizer
-        self._skip_special_tokens = skip_special_tokens
+        self._skip_special_tokens = skip_special_tokens and not kept_special_ids
+        self._dropped_ids: frozenset[int] = frozenset()
+        if skip_special_tokens and kept_special_ids:
+            self._dropped_ids = frozenset(tokenizer.all_special_ids) - frozenset(kept_special_ids)
         self._token_ids: list[int] = []
         self._num_emitted_chars = 0
         # The window is token_ids[window_start:]; read_start is where its unemitted part began
@@ -52,6 +63,8 @@ class IncrementalDetokenizer:
 
     def push(self, new_token_ids: Sequence[int]) -> str:
         """Add tokens; return the text they made final (possibly empty)."""
+        if self._dropped_ids:
+            new_token_ids = [i for i in new_token_ids if i not in self._dropped_ids]
         self._token_ids.extend(new_token_ids)
         text = self._decode(self._window_start)
         stable_len = len(text) - _trailing_replacement_len(text)

@@ -5,7 +5,10 @@
         events = parser.feed(delta)   # ContentDelta / ToolCallStart / ToolCallArguments
     events = parser.finish()
 
-Formats register by name in `registry`; importing this package registers them all.
+Formats register by name in `registry`; importing this package registers them all. A format's
+class also says what a request needs of it: `tool_parser_class(name).call_grammar(tools)` is
+the grammar that forces one call, ``markers`` the strings detokenization must keep, and
+``call_end`` where a reply with one call may stop.
 """
 
 from metrale.frontend.tool_parsers import bare_json as _bare_json  # noqa: F401  (registers)
@@ -29,6 +32,7 @@ from metrale.frontend.tool_parsers.registry import (
     detect_tool_parser,
     make_tool_parser,
     register_tool_parser,
+    tool_parser_class,
     tool_parser_names,
 )
 from metrale.frontend.tool_parsers.schema import ParamSchema, ToolSpec, tool_specs
@@ -47,6 +51,7 @@ __all__ = [
     "detect_tool_parser",
     "make_tool_parser",
     "register_tool_parser",
+    "tool_parser_class",
     "tool_parser_names",
     "tool_specs",
 ]

@@ -8,14 +8,23 @@ array of such objects). Only output that starts, after whitespace, with ``{`` or
 looked at, and since a JSON answer may well have a "name" member, the name must be one of the
 request's tools when tools are given. Anything else stays content, as does text after the
 call.
+
+The format has no markers: nothing ends one call but the JSON itself, so no stop string can
+cut a reply after its first call (`parallel_tool_calls: false` leaves the reply as it is; the
+parser reads only the first object or array anyway). The grammar that forces a call writes the
+object alone.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from metrale.frontend.tool_parsers.base import ToolParserOptions
 from metrale.frontend.tool_parsers.block_parser import BlockParser, BlockReader
-from metrale.frontend.tool_parsers.json_call import JsonCallsBlock
+from metrale.frontend.tool_parsers.grammar import GrammarBuilder, one_call_of
+from metrale.frontend.tool_parsers.json_call import JsonCallsBlock, call_object_grammar
 from metrale.frontend.tool_parsers.registry import register_tool_parser
+from metrale.frontend.tool_parsers.schema import ToolSpec
 from metrale.frontend.tool_parsers.tags import skip_space
 
 
@@ -36,3 +45,8 @@ class BareJsonToolParser(BlockParser):
 
     def open_block(self, opener: str) -> BlockReader:
         return JsonCallsBlock(self.sink, self.options.tools.keys() or None)
+
+    @classmethod
+    def call_grammar(cls, tools: Sequence[ToolSpec]) -> str:
+        grammar = GrammarBuilder()
+        return grammar.build(one_call_of(tools, lambda tool: call_object_grammar(grammar, tool)))

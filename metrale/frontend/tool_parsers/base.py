@@ -17,8 +17,9 @@ What stays true of every event stream a parser returns:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from metrale.frontend.tool_parsers.schema import ToolSpec
 
@@ -91,7 +92,29 @@ class ToolParserOptions:
 
 
 class ToolParser(ABC):
-    """One request's tool-call parser: feed text deltas, then finish once."""
+    """One request's tool-call parser: feed text deltas, then finish once.
+
+    The class also describes its format to the request that uses it: the marker strings the
+    text must keep, the end of one call, and the grammar that forces a call.
+    """
+
+    # The fixed strings that frame calls (openers, closers, separators). Where a tokenizer has
+    # one as a special token, detokenization must keep it, or this parser never sees it.
+    markers: ClassVar[tuple[str, ...]] = ()
+    # The text that ends one call, after which the reply may stop (`parallel_tool_calls:
+    # false`); None when the format has no such marker.
+    call_end: ClassVar[str | None] = None
+
+    @classmethod
+    def call_grammar(cls, tools: Sequence[ToolSpec]) -> str | None:
+        """An EBNF grammar (xgrammar's dialect) for a reply that is one call to one of ``tools``;
+        None if the format has none.
+
+        Whatever the grammar accepts, this parser reads back as exactly that one call, with
+        arguments the tool's JSON schema accepts as far as the format can write them. Raises
+        ValueError when a tool cannot be written in the format.
+        """
+        return None
 
     @abstractmethod
     def feed(self, text: str) -> list[Event]:

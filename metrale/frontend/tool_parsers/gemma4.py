@@ -11,18 +11,30 @@ bare. Calls follow each other with no separator.
 `GemmaArguments` translates that syntax to JSON as it arrives. A bare value is written once
 its end is seen: JSON numbers, true, false and null as they are (``None`` as null), any other
 bare text as a string.
+
+The markers are special tokens in Gemma's tokenizer. The grammar that forces a call writes the
+arguments in xgrammar's Gemma style of JSON schema, which is this syntax.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from enum import Enum, auto
 
 from metrale.frontend.tool_parsers.block_parser import BlockParser, BlockReader
+from metrale.frontend.tool_parsers.grammar import (
+    GrammarBuilder,
+    arguments_schema,
+    checked_name,
+    literal,
+    one_call_of,
+)
 from metrale.frontend.tool_parsers.json_scanner import MAX_DEPTH
 from metrale.frontend.tool_parsers.names import NameScan, scan_name
 from metrale.frontend.tool_parsers.registry import register_tool_parser
+from metrale.frontend.tool_parsers.schema import ToolSpec
 from metrale.frontend.tool_parsers.sink import EventSink
 from metrale.frontend.tool_parsers.tags import Match, match_tag, partial_tail_len, skip_space
 
@@ -274,6 +286,23 @@ class GemmaBlock(BlockReader):
 @register_tool_parser("gemma4")
 class Gemma4ToolParser(BlockParser):
     openers = (CALL_OPEN,)
+    markers = (CALL_OPEN, CALL_CLOSE, QUOTE)
+    call_end = CALL_CLOSE
 
     def open_block(self, opener: str) -> BlockReader:
         return GemmaBlock(self.sink)
+
+    @classmethod
+    def call_grammar(cls, tools: Sequence[ToolSpec]) -> str:
+        grammar = GrammarBuilder()
+        call = one_call_of(
+            tools,
+            lambda tool: f"{literal(checked_name(tool))} {_arguments_grammar(grammar, tool)}",
+        )
+        return grammar.build(f"{literal(CALL_OPEN + CALL_PREFIX)} {call} {literal(CALL_CLOSE)}")
+
+
+def _arguments_grammar(grammar: GrammarBuilder, tool: ToolSpec) -> str:
+    # The template writes no whitespace, and a newline between a key and its colon would end
+    # the mapping here.
+    return grammar.schema_value(arguments_schema(tool), "gemma", whitespace=False)

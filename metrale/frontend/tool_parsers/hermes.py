@@ -13,14 +13,35 @@ is text, since the object is read with its strings.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from metrale.frontend.tool_parsers.block_parser import BlockParser, BlockReader
-from metrale.frontend.tool_parsers.json_call import JsonCallBlock
+from metrale.frontend.tool_parsers.grammar import (
+    OPTIONAL_NEWLINE,
+    GrammarBuilder,
+    literal,
+    one_call_of,
+)
+from metrale.frontend.tool_parsers.json_call import JsonCallBlock, call_object_grammar
 from metrale.frontend.tool_parsers.registry import register_tool_parser
+from metrale.frontend.tool_parsers.schema import ToolSpec
+
+CALL_OPEN = "<tool_call>"
+CALL_CLOSE = "</tool_call>"
 
 
 @register_tool_parser("hermes")
 class HermesToolParser(BlockParser):
-    openers = ("<tool_call>",)
+    openers = (CALL_OPEN,)
+    markers = (CALL_OPEN, CALL_CLOSE)
+    call_end = CALL_CLOSE
 
     def open_block(self, opener: str) -> BlockReader:
-        return JsonCallBlock(self.sink, closer="</tool_call>")
+        return JsonCallBlock(self.sink, closer=CALL_CLOSE)
+
+    @classmethod
+    def call_grammar(cls, tools: Sequence[ToolSpec]) -> str:
+        grammar = GrammarBuilder()
+        call = one_call_of(tools, lambda tool: call_object_grammar(grammar, tool))
+        nl = OPTIONAL_NEWLINE
+        return grammar.build(f"{literal(CALL_OPEN)} {nl} {call} {nl} {literal(CALL_CLOSE)}")

@@ -6,6 +6,8 @@ stream and a whole text: an object is a call once its "name" member has been rea
 "parameters") are sent as they arrive, and if the object is cut short or broken by a stray
 character the arguments are closed at their last valid point. An object that ends without a
 name is not a call, and its text is left to the caller (as content).
+
+`call_object_grammar` writes such an object for grammars that force a call.
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ from collections.abc import Collection
 from enum import Enum, auto
 
 from metrale.frontend.tool_parsers.block_parser import BlockReader
+from metrale.frontend.tool_parsers.grammar import GrammarBuilder, arguments_schema, literal
 from metrale.frontend.tool_parsers.json_scanner import JsonScanner, Step
 from metrale.frontend.tool_parsers.names import is_valid_name
+from metrale.frontend.tool_parsers.schema import ToolSpec
 from metrale.frontend.tool_parsers.sink import EventSink
 from metrale.frontend.tool_parsers.tags import Match, match_tag, skip_space
 
@@ -190,6 +194,14 @@ class JsonCallReader:
         if self._arguments is not None:
             self._sink.arguments(self._arguments.drain_final())
         self._sink.end_call()
+
+
+def call_object_grammar(grammar: GrammarBuilder, tool: ToolSpec) -> str:
+    """EBNF of one call object, ``{"name": "f", "arguments": {...}}`` (or "parameters", which
+    Llama writes), its arguments following the tool's schema."""
+    name = literal(f'{{"name": {json.dumps(tool.name, ensure_ascii=False)}, ')
+    keys = " | ".join(literal(f'"{key}": ') for key in ARGUMENT_KEYS)
+    return f'{name} ({keys}) {grammar.json_value(arguments_schema(tool))} "}}"'
 
 
 class JsonCallBlock(BlockReader):

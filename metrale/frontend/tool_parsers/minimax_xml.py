@@ -15,17 +15,27 @@ code keeps its indentation, while other types ignore surrounding whitespace.
 
 The older MiniMax-M1 / Text-01 wrote JSON lines in ``<tool_calls>``; that is another format
 and is not handled here.
+
+A block may hold several invokes, so a reply with one call ends at ``</invoke>``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from enum import Enum, auto
 
 from metrale.frontend.tool_parsers.base import ToolParserOptions
 from metrale.frontend.tool_parsers.block_parser import BlockParser, BlockReader
+from metrale.frontend.tool_parsers.grammar import (
+    OPTIONAL_NEWLINE,
+    GrammarBuilder,
+    checked_name,
+    literal,
+    one_call_of,
+)
 from metrale.frontend.tool_parsers.names import NameScan, scan_name
 from metrale.frontend.tool_parsers.registry import register_tool_parser
-from metrale.frontend.tool_parsers.schema import Untyped
+from metrale.frontend.tool_parsers.schema import ToolSpec, Untyped
 from metrale.frontend.tool_parsers.sink import EventSink
 from metrale.frontend.tool_parsers.tags import match_any, skip_space
 from metrale.frontend.tool_parsers.xml_values import (
@@ -33,6 +43,7 @@ from metrale.frontend.tool_parsers.xml_values import (
     ValueReader,
     ValueRules,
     boundaries,
+    parameters_grammar,
 )
 
 BLOCK_OPEN = "<minimax:tool_call>"
@@ -47,6 +58,10 @@ RULES = ValueRules(
     trim_newline=True,
     untyped=Untyped.STRING,
 )
+
+
+def _quoted(opener: str, name: str) -> str:
+    return f'{opener}"{name}">'
 
 
 def _unquote(raw: str) -> str:
@@ -133,6 +148,28 @@ class MinimaxBlock(BlockReader):
 @register_tool_parser("minimax_xml")
 class MinimaxXmlToolParser(BlockParser):
     openers = (BLOCK_OPEN,)
+    markers = (BLOCK_OPEN, BLOCK_CLOSE, INVOKE_OPEN, INVOKE_CLOSE, PARAM_OPEN, PARAM_CLOSE)
+    call_end = INVOKE_CLOSE
 
     def open_block(self, opener: str) -> BlockReader:
         return MinimaxBlock(self.sink, self.options)
+
+    @classmethod
+    def call_grammar(cls, tools: Sequence[ToolSpec]) -> str:
+        grammar = GrammarBuilder()
+        nl = OPTIONAL_NEWLINE
+
+        def parameter(name: str, value: str) -> str:
+            opening = literal(_quoted(PARAM_OPEN, name))
+            return f"{opening} {value} {literal(PARAM_CLOSE)} {nl}"
+
+        call = one_call_of(
+            tools,
+            lambda tool: (
+                f"{literal(_quoted(INVOKE_OPEN, checked_name(tool)))} {nl} "
+                f"{parameters_grammar(grammar, tool, RULES, parameter)}"
+            ),
+        )
+        return grammar.build(
+            f"{literal(BLOCK_OPEN)} {nl} {call} {literal(INVOKE_CLOSE)} {nl} {literal(BLOCK_CLOSE)}"
+        )

@@ -9,17 +9,35 @@ Source: vLLM's ``mistral`` parser and mistral-common's tokenizer versions: befor
 ``[CALL_ID]`` + an id between name and ``[ARGS]``. The model's ids are not kept: ids come
 from the parser, so that every splitting of the output agrees. Both spellings are accepted
 whatever follows the opener decides; a lone object instead of an array is accepted too.
+
+The markers are special tokens in Mistral's tokenizers. No marker ends a call (the next call's
+``[TOOL_CALLS]`` or the end of the array does), so no stop string can cut a reply after its
+first call: `parallel_tool_calls: false` leaves the reply as it is. The grammar that forces a
+call offers both spellings, so that the model writes the one its tokenizer version taught it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from enum import Enum, auto
 
 from metrale.frontend.tool_parsers.block_parser import BlockParser, BlockReader
-from metrale.frontend.tool_parsers.json_call import ArgumentsStream, JsonCallsBlock
+from metrale.frontend.tool_parsers.grammar import (
+    GrammarBuilder,
+    arguments_schema,
+    checked_name,
+    literal,
+    one_call_of,
+)
+from metrale.frontend.tool_parsers.json_call import (
+    ArgumentsStream,
+    JsonCallsBlock,
+    call_object_grammar,
+)
 from metrale.frontend.tool_parsers.json_scanner import Step
 from metrale.frontend.tool_parsers.names import NameScan, scan_name
 from metrale.frontend.tool_parsers.registry import register_tool_parser
+from metrale.frontend.tool_parsers.schema import ToolSpec
 from metrale.frontend.tool_parsers.sink import EventSink
 from metrale.frontend.tool_parsers.tags import skip_space
 
@@ -106,6 +124,19 @@ class MistralBlock(BlockReader):
 @register_tool_parser("mistral")
 class MistralToolParser(BlockParser):
     openers = (CALLS_OPEN,)
+    markers = (CALLS_OPEN, ARGS, CALL_ID)
 
     def open_block(self, opener: str) -> BlockReader:
         return MistralBlock(self.sink)
+
+    @classmethod
+    def call_grammar(cls, tools: Sequence[ToolSpec]) -> str:
+        grammar = GrammarBuilder()
+        v11 = one_call_of(
+            tools,
+            lambda tool: (
+                f"{literal(checked_name(tool) + ARGS)} {grammar.json_value(arguments_schema(tool))}"
+            ),
+        )
+        array = one_call_of(tools, lambda tool: call_object_grammar(grammar, tool))
+        return grammar.build(f'{literal(CALLS_OPEN)} ({v11} | (" "? "[" {array} "]"))')

@@ -15,13 +15,21 @@ Poolside publishes no description of its own; this follows those implementations
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from enum import Enum, auto
 
 from metrale.frontend.tool_parsers.base import ToolParserOptions
 from metrale.frontend.tool_parsers.block_parser import BlockParser, BlockReader
+from metrale.frontend.tool_parsers.grammar import (
+    OPTIONAL_NEWLINE,
+    GrammarBuilder,
+    checked_name,
+    literal,
+    one_call_of,
+)
 from metrale.frontend.tool_parsers.names import NameScan, scan_name
 from metrale.frontend.tool_parsers.registry import register_tool_parser
-from metrale.frontend.tool_parsers.schema import Untyped
+from metrale.frontend.tool_parsers.schema import ToolSpec, Untyped
 from metrale.frontend.tool_parsers.sink import EventSink
 from metrale.frontend.tool_parsers.tags import Match, match_any, match_tag, skip_space
 from metrale.frontend.tool_parsers.xml_values import (
@@ -29,6 +37,7 @@ from metrale.frontend.tool_parsers.xml_values import (
     ValueReader,
     ValueRules,
     boundaries,
+    parameters_grammar,
 )
 
 CALL_OPEN = "<tool_call>"
@@ -127,6 +136,26 @@ class PoolsideBlock(BlockReader):
 @register_tool_parser("poolside_v1")
 class PoolsideV1ToolParser(BlockParser):
     openers = (CALL_OPEN,)
+    markers = (CALL_OPEN, CALL_CLOSE, KEY_OPEN, KEY_CLOSE, VALUE_OPEN, VALUE_CLOSE)
+    call_end = CALL_CLOSE
 
     def open_block(self, opener: str) -> BlockReader:
         return PoolsideBlock(self.sink, self.options)
+
+    @classmethod
+    def call_grammar(cls, tools: Sequence[ToolSpec]) -> str:
+        grammar = GrammarBuilder()
+        nl = OPTIONAL_NEWLINE
+
+        def argument(name: str, value: str) -> str:
+            key = literal(KEY_OPEN + name + KEY_CLOSE)
+            return f"{key} {nl} {literal(VALUE_OPEN)} {value} {literal(VALUE_CLOSE)} {nl}"
+
+        call = one_call_of(
+            tools,
+            lambda tool: (
+                f"{literal(checked_name(tool))} {nl} "
+                f"{parameters_grammar(grammar, tool, RULES, argument)}"
+            ),
+        )
+        return grammar.build(f"{literal(CALL_OPEN)} {call} {literal(CALL_CLOSE)}")

@@ -27,17 +27,29 @@ tolerance, which the `ValueRules` carry:
     ``</tool_call>``; a missing close is recovered at a ``<parameter=`` that starts a line.
     A value may then quote those tags (code that documents this format), at the price of
     holding them back until what follows shows they were text.
+
+One ``<tool_call>`` block holds one function in the template, but the reader takes more, so a
+reply with one call ends at ``</function>``. The grammar that forces a call keeps every tag out
+of string values, which both readings then end at their ``</parameter>``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from enum import Enum, auto
 
 from metrale.frontend.tool_parsers.base import ToolParserOptions
 from metrale.frontend.tool_parsers.block_parser import BlockParser, BlockReader
+from metrale.frontend.tool_parsers.grammar import (
+    OPTIONAL_NEWLINE,
+    GrammarBuilder,
+    checked_name,
+    literal,
+    one_call_of,
+)
 from metrale.frontend.tool_parsers.names import NameScan, scan_name
 from metrale.frontend.tool_parsers.registry import register_tool_parser
-from metrale.frontend.tool_parsers.schema import Untyped
+from metrale.frontend.tool_parsers.schema import ToolSpec, Untyped
 from metrale.frontend.tool_parsers.sink import EventSink
 from metrale.frontend.tool_parsers.tags import Match, match_any, match_tag, skip_space
 from metrale.frontend.tool_parsers.xml_values import (
@@ -46,6 +58,7 @@ from metrale.frontend.tool_parsers.xml_values import (
     ValueReader,
     ValueRules,
     boundaries,
+    parameters_grammar,
 )
 
 CALL_OPEN = "<tool_call>"
@@ -164,10 +177,32 @@ class Qwen3Block(BlockReader):
 @register_tool_parser("qwen3_coder")
 class Qwen3CoderToolParser(BlockParser):
     openers = (CALL_OPEN,)
+    markers = (CALL_OPEN, CALL_CLOSE, FUNCTION_OPEN, FUNCTION_CLOSE, PARAM_OPEN, PARAM_CLOSE)
+    call_end = FUNCTION_CLOSE
     rules = CODER_RULES
 
     def open_block(self, opener: str) -> BlockReader:
         return Qwen3Block(self.sink, self.options, self.rules)
+
+    @classmethod
+    def call_grammar(cls, tools: Sequence[ToolSpec]) -> str:
+        grammar = GrammarBuilder()
+        nl = OPTIONAL_NEWLINE
+
+        def parameter(name: str, value: str) -> str:
+            return f"{literal(PARAM_OPEN + name + '>')} {value} {literal(PARAM_CLOSE)} {nl}"
+
+        call = one_call_of(
+            tools,
+            lambda tool: (
+                f"{literal(checked_name(tool) + '>')} {nl} "
+                f"{parameters_grammar(grammar, tool, cls.rules, parameter)}"
+            ),
+        )
+        return grammar.build(
+            f"{literal(CALL_OPEN)} {nl} {literal(FUNCTION_OPEN)} {call} "
+            f"{literal(FUNCTION_CLOSE)} {nl} {literal(CALL_CLOSE)}"
+        )
 
 
 @register_tool_parser("qwen3_xml")

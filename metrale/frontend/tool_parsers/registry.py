@@ -14,9 +14,9 @@ from metrale.frontend.tool_parsers.schema import ToolSpec
 
 AUTO = "auto"
 
-ParserT = TypeVar("ParserT", bound=Callable[[ToolParserOptions], ToolParser])
+ParserT = TypeVar("ParserT", bound=type[ToolParser])
 
-_REGISTRY: dict[str, Callable[[ToolParserOptions], ToolParser]] = {}
+_REGISTRY: dict[str, type[ToolParser]] = {}
 
 # (what the chat template contains, the format): the first rule whose markers all occur wins,
 # so the more specific rules come first.
@@ -52,14 +52,11 @@ def detect_tool_parser(chat_template: str) -> str | None:
     return None
 
 
-def make_tool_parser(
-    name: str,
-    *,
-    tools: Iterable[ToolSpec] = (),
-    id_prefix: str = "call_",
-    chat_template: str | None = None,
-) -> ToolParser:
-    """A fresh parser for one generation. ``auto`` needs the model's ``chat_template``."""
+def tool_parser_class(name: str, *, chat_template: str | None = None) -> type[ToolParser]:
+    """The parser class of a format, which also describes it (markers, call end, grammar).
+
+    ``auto`` needs the model's ``chat_template``.
+    """
     if name == AUTO:
         detected = detect_tool_parser(chat_template or "")
         if detected is None:
@@ -68,7 +65,19 @@ def make_tool_parser(
                 f"name the format instead (one of {', '.join(sorted(_REGISTRY))})"
             )
         name = detected
-    factory = _REGISTRY.get(name)
-    if factory is None:
+    parser_class = _REGISTRY.get(name)
+    if parser_class is None:
         raise ValueError(f"unknown tool parser {name!r}; known: {', '.join(tool_parser_names())}")
-    return factory(ToolParserOptions({tool.name: tool for tool in tools}, id_prefix))
+    return parser_class
+
+
+def make_tool_parser(
+    name: str,
+    *,
+    tools: Iterable[ToolSpec] = (),
+    id_prefix: str = "call_",
+    chat_template: str | None = None,
+) -> ToolParser:
+    """A fresh parser for one generation. ``auto`` needs the model's ``chat_template``."""
+    parser_class = tool_parser_class(name, chat_template=chat_template)
+    return parser_class(ToolParserOptions({tool.name: tool for tool in tools}, id_prefix))

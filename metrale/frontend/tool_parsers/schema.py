@@ -33,8 +33,12 @@ class ParamSchema:
 
 @dataclass(frozen=True)
 class ToolSpec:
+    """A function: its parameters' types, and its parameters' JSON schema as the request gave
+    it (`schema`, which grammars that force a call follow)."""
+
     name: str
     params: Mapping[str, ParamSchema] = field(default_factory=dict)
+    schema: Mapping[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_openai(cls, tool: Mapping[str, Any]) -> ToolSpec:
@@ -49,7 +53,7 @@ class ToolSpec:
             for name, schema in (properties or {}).items()
             if isinstance(name, str)
         }
-        return cls(function["name"], params)
+        return cls(function["name"], params, parameters if isinstance(parameters, Mapping) else {})
 
 
 def tool_specs(tools: Sequence[Mapping[str, Any]]) -> list[ToolSpec]:

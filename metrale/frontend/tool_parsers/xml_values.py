@@ -10,16 +10,26 @@ A value ends at its closing tag, or, when the model forgot it, at a tag that can
 value (the next parameter, the end of the function). A `Boundary` can also ask for lookahead:
 then the tag counts only when the right tag follows it, so a value that quotes the tags (code
 that documents this very format) keeps them as text.
+
+`parameters_grammar` is the other direction, for grammars that force a call: it writes the
+parameters of one call so that these readers convert each value back to one the schema accepts.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from metrale.frontend.tool_parsers.schema import ParamSchema, Untyped, convert_value
+from metrale.frontend.tool_parsers.grammar import (
+    OPTIONAL_NEWLINE,
+    GrammarBuilder,
+    literal,
+    ordered_members,
+)
+from metrale.frontend.tool_parsers.names import is_valid_name
+from metrale.frontend.tool_parsers.schema import ParamSchema, ToolSpec, Untyped, convert_value
 from metrale.frontend.tool_parsers.sink import EventSink
 from metrale.frontend.tool_parsers.tags import partial_tail_len, skip_space
 
@@ -206,3 +216,100 @@ def boundaries(
     by_tag = {b.tag: b for b in lookahead}
     plain = [Boundary(closing, closes=True), *(Boundary(tag) for tag in implicit)]
     return tuple(by_tag.get(b.tag, b) for b in plain)
+
+
+def parameters_grammar(
+    grammar: GrammarBuilder,
+    tool: ToolSpec,
+    rules: ValueRules,
+    spell: Callable[[str, str], str],
+) -> str:
+    """EBNF of one call's parameters: the schema's properties in their declared order, the
+    required ones present. ``spell(name, value)`` writes one parameter around its value's EBNF.
+
+    Each value is written so that `ValueReader` with ``rules`` converts it to a value of the
+    parameter's type: a string as raw text in which no boundary tag occurs, any other type as
+    JSON that the schema accepts (xgrammar's JSON schema support) with no boundary tag in its
+    strings, an enum or const as one of its values. A string's other constraints (pattern,
+    length) are not enforced, and a number past a double's range (1e999) is read back as text,
+    JSON having no infinity.
+    """
+    properties = tool.schema.get("properties")
+    required = tool.schema.get("required")
+    required_names = set(required) if isinstance(required, list) else set()
+    defs = {key: tool.schema[key] for key in ("$defs", "definitions") if key in tool.schema}
+    members = []
+    for name, schema in (properties if isinstance(properties, Mapping) else {}).items():
+        if not is_valid_name(name):
+            if name in required_names:
+                raise ValueError(
+                    f"required parameter {name!r} of {tool.name} cannot be written in this "
+                    f"tool-call format: its name has spaces, quotes, brackets or one of <>=,;"
+                )
+            continue
+        schema = {**schema, **defs} if isinstance(schema, Mapping) else {}
+        param = tool.params.get(name, ParamSchema(None))
+        members.append((spell(name, _value(grammar, rules, schema, param)), name in required_names))
+    return ordered_members(grammar, members)
+
+
+def _value(
+    grammar: GrammarBuilder, rules: ValueRules, schema: Mapping[str, Any], param: ParamSchema
+) -> str:
+    stops = [boundary.tag for boundary in rules.boundaries]
+    choices = _choice_texts(schema, param, rules, stops)
+    if choices:
+        value = "(" + " | ".join(literal(text) for text in choices) + ")"
+    elif param.json_type in (None, "string"):
+        value = grammar.text_excluding(stops)
+    elif param.json_type == "boolean":  # the Qwen3-Coder template writes Python's True/False
+        words = ["true", "false", "True", "False", *(["null"] if param.nullable else [])]
+        value = "(" + " | ".join(literal(word) for word in words) + ")"
+    else:
+        value = grammar.json_value(_held_to_type(schema, param), excludes=stops)
+    if rules.trim_newline:
+        return f"{OPTIONAL_NEWLINE} {value} {OPTIONAL_NEWLINE}"
+    return value
+
+
+def _choice_texts(
+    schema: Mapping[str, Any], param: ParamSchema, rules: ValueRules, stops: Sequence[str]
+) -> list[str]:
+    """How to write each value of an enum or const, raw if the reader keeps it, else as JSON;
+    values the format cannot write are left out."""
+    if "const" in schema:
+        values = [schema["const"]]
+    elif isinstance(schema.get("enum"), list):
+        values = schema["enum"]
+    else:
+        return []
+    texts = []
+    for value in values:
+        for text in [*([value] if isinstance(value, str) else []), _json(value)]:
+            if (
+                not any(stop in text for stop in stops)
+                and not (rules.trim_newline and (text.startswith("\n") or text.endswith("\n")))
+                and _json(convert_value(text, param, rules.untyped)) == _json(value)
+            ):
+                texts.append(text)
+                break
+    return texts
+
+
+def _held_to_type(schema: Mapping[str, Any], param: ParamSchema) -> Mapping[str, Any]:
+    """The schema, less the types the reader would not convert the value to."""
+    wanted = {param.json_type, *(["null"] if param.nullable else [])}
+    declared = schema.get("type")
+    if isinstance(declared, list):
+        return {**schema, "type": [t for t in declared if t in wanted]}
+    for key in ("anyOf", "oneOf"):
+        options = schema.get(key)
+        if isinstance(options, list):
+            kept = [o for o in options if isinstance(o, Mapping) and o.get("type") in wanted]
+            if kept:
+                return {**schema, key: kept}
+    return schema
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, sort_keys=True)

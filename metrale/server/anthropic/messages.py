@@ -40,11 +40,11 @@ from metrale.server.anthropic.errors import error_body
 from metrale.server.anthropic.protocol import CountTokensRequest, MessagesRequest
 from metrale.server.anthropic.translate import chat_request
 from metrale.server.chat_request import (
-    at_most_one_tool_call,
     build_prompt,
     output_parser,
     structured_output,
     thinking_budget,
+    tool_call_params,
 )
 from metrale.server.errors import APIError, parse_body
 from metrale.server.generation import (
@@ -92,7 +92,7 @@ async def create_message(request: Request) -> Any:
         )
     except ValueError as e:
         raise APIError(str(e)) from None
-    params = at_most_one_tool_call(state, chat, params)
+    params = tool_call_params(state, chat, params)
     requested = body.thinking.budget_tokens if body.thinking is not None else None
     if (structured := structured_output(state, chat)) is not None:
         state.check_structured_output(structured)

@@ -15,11 +15,11 @@ from metrale.frontend.chat_output import ChatDelta, ChatOutputParser, ToolCallDe
 from metrale.server import sse
 from metrale.server.chat_request import (
     EFFORT_BUDGETS,
-    at_most_one_tool_call,
     build_prompt,
     output_parser,
     structured_output,
     thinking_budget,
+    tool_call_params,
 )
 from metrale.server.errors import APIError, parse_body
 from metrale.server.generation import (
@@ -101,7 +101,7 @@ async def create_chat_completion(request: Request) -> Any:
         )
     except ValueError as e:
         raise APIError(str(e)) from None
-    params = at_most_one_tool_call(state, body, params)
+    params = tool_call_params(state, body, params)
     requested = EFFORT_BUDGETS.get(body.reasoning_effort or "")
     if structured is not None:
         # The grammar starts where thinking ends, so the engine must track the thinking block.
