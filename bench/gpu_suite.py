@@ -161,6 +161,51 @@ def profile(results: dict) -> None:
         release(core)
 
 
+def profile_b3(results: dict) -> None:
+    """B3's steps, kernel by kernel: one while prompts are prefilled (16k-token chunks beside
+    the decodes), one at a 512-request decode; then the run is abandoned."""
+    core = engine(
+        LLAMA_8B,
+        max_seq_len=2048,
+        max_num_seqs=512,
+        max_prefill_tokens=16384,
+        gpu_memory_utilization=0.9,
+    )
+    g = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
+    for i in range(1000):
+        prompt = torch.randint(0, 10000, (1000,), generator=g).tolist()
+        core.add_request(EngineRequest(f"p{i}", prompt, params, 0.0))
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    out_dir = Path(os.environ.get("OUT", ROOT / "results"))
+    for phase, skip in (("prefill", 3), ("decode", 60)):
+        for _ in range(skip):
+            core.step()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                core.step()
+            torch.cuda.synchronize()
+        step_ms = (time.perf_counter() - start) / 3 * 1000
+        events = prof.key_averages()
+        kernel_ms = sum(e.self_device_time_total for e in events) / 1000 / 3
+        batch = [
+            len(core.scheduler.running),
+            sum(r.num_computed_tokens for r in core.scheduler.running),
+        ]
+        table = events.table(sort_by="self_cuda_time_total", row_limit=25)
+        (out_dir / f"profile_b3_{phase}.txt").write_text(
+            f"B3 {phase} step: {step_ms:.2f} ms wall (profiled), {kernel_ms:.2f} ms of kernels; "
+            f"{batch[0]} running requests, {batch[1]} computed tokens\n\n{table}\n"
+        )
+        results[f"profile_b3_{phase}"] = {"ms_per_step": step_ms, "kernel_ms_per_step": kernel_ms}
+        print(f"B3 {phase}: {step_ms:.2f} ms per step, kernels {kernel_ms:.2f} ms, {batch}")
+    release(core)
+
+
 def bandwidth() -> dict[str, float]:
     src = torch.empty(2**31, dtype=torch.bfloat16, device="cuda").normal_()  # 4 GiB
     dst = torch.empty_like(src)
@@ -371,7 +416,9 @@ def b5(results: dict) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("benchmarks", nargs="+", choices=["b1", "b2", "b3", "b5", "profile"])
+    parser.add_argument(
+        "benchmarks", nargs="+", choices=["b1", "b2", "b3", "b5", "profile", "profile_b3"]
+    )
     parser.add_argument("--scheduler-config", choices=["sync", "async"], default="async")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ROOT / "results")))
     args = parser.parse_args()
