@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from metrale.kernels.paged_checks import check_paged_inputs
+from metrale.kernels.paged_kv import attend_key_tile, check_paged_inputs, paged_kv_offsets
 
 # A split this short spends more on its partial (write + reduce) than on its keys.
 _MIN_PARTITION_TOKENS = 256
@@ -95,26 +95,30 @@ def _paged_decode_split_kernel(
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
         n_mask = offs_n < hi
-        block_ids = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-        kv_off = (
-            block_ids * stride_cache_block
-            + (offs_n % BLOCK_SIZE) * stride_cache_token
-            + kv_head * stride_cache_head
-        )  # [BLOCK_N]
-        k = tl.load(
-            k_cache_ptr + kv_off[None, :] + offs_d[:, None], mask=n_mask[None, :], other=0.0
-        )  # [HEAD_DIM, BLOCK_N]
-        s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale  # [BLOCK_G, BLOCK_N]
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0
-        )  # [BLOCK_N, HEAD_DIM]
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        kv_off = paged_kv_offsets(
+            bt_row,
+            offs_n,
+            n_mask,
+            kv_head,
+            stride_cache_block,
+            stride_cache_token,
+            stride_cache_head,
+            BLOCK_SIZE,
+        )
+        m_i, l_i, acc = attend_key_tile(
+            q,
+            k_cache_ptr,
+            v_cache_ptr,
+            kv_off,
+            n_mask,
+            n_mask[None, :],
+            scale,
+            m_i,
+            l_i,
+            acc,
+            HEAD_DIM,
+            DOT_PRECISION,
+        )
 
     # Partials: [num_seqs, num_heads, num_splits] and [num_seqs, num_heads, num_splits, HEAD_DIM].
     part = (seq * NUM_HEADS + heads) * num_splits + split  # [BLOCK_G]

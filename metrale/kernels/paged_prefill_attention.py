@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from metrale.kernels.paged_checks import check_paged_inputs
+from metrale.kernels.paged_kv import attend_key_tile, check_paged_inputs, paged_kv_offsets
 
 
 @triton.jit
@@ -88,29 +88,33 @@ def _paged_prefill_kernel(
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
         n_mask = offs_n < hi
-        block_ids = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-        kv_off = (
-            block_ids * stride_cache_block
-            + (offs_n % BLOCK_SIZE) * stride_cache_token
-            + kv_head * stride_cache_head
-        )  # [BLOCK_N]
-        k = tl.load(
-            k_cache_ptr + kv_off[None, :] + offs_d[:, None], mask=n_mask[None, :], other=0.0
-        )  # [HEAD_DIM, BLOCK_N]
-        s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale  # [BLOCK_M, BLOCK_N]
+        kv_off = paged_kv_offsets(
+            bt_row,
+            offs_n,
+            n_mask,
+            kv_head,
+            stride_cache_block,
+            stride_cache_token,
+            stride_cache_head,
+            BLOCK_SIZE,
+        )
         visible = (offs_n[None, :] <= query_pos[:, None]) & n_mask[None, :]
         if HAS_WINDOW:
             visible = visible & (offs_n[None, :] > query_pos[:, None] - sliding_window)
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0
-        )  # [BLOCK_N, HEAD_DIM]
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = attend_key_tile(
+            q,
+            k_cache_ptr,
+            v_cache_ptr,
+            kv_off,
+            n_mask,
+            visible,
+            scale,
+            m_i,
+            l_i,
+            acc,
+            HEAD_DIM,
+            DOT_PRECISION,
+        )
 
     # Every real row sees at least its own key, so l_i > 0; padded rows are not stored.
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]

@@ -1,8 +1,67 @@
-"""Launch-time checks shared by the kernels that read the paged KV cache."""
+"""What the attention kernels that read the paged KV cache share: the launch checks, and the
+body of their key loop (find a tile of keys through the block table, fold it into an online
+softmax), so decode and prefill address the cache and accumulate in exactly one way.
+"""
 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def paged_kv_offsets(
+    block_table_row,
+    offs_n,
+    n_mask,
+    kv_head,
+    stride_cache_block,
+    stride_cache_token,
+    stride_cache_head,
+    BLOCK_SIZE: tl.constexpr,
+):
+    """Offsets in a cache of key positions `offs_n` of one kv head: [BLOCK_N], int64."""
+    block_ids = tl.load(block_table_row + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+    return (
+        block_ids * stride_cache_block
+        + (offs_n % BLOCK_SIZE) * stride_cache_token
+        + kv_head * stride_cache_head
+    )
+
+
+@triton.jit
+def attend_key_tile(
+    q,
+    k_cache_ptr,
+    v_cache_ptr,
+    kv_off,
+    n_mask,
+    visible,
+    scale,
+    m_i,
+    l_i,
+    acc,
+    HEAD_DIM: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Fold one tile of keys into the running max `m_i`, sum `l_i` and output `acc` of the
+    query rows `q` [ROWS, HEAD_DIM]; `visible` [ROWS, BLOCK_N] masks what each row may see."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    k = tl.load(
+        k_cache_ptr + kv_off[None, :] + offs_d[:, None], mask=n_mask[None, :], other=0.0
+    )  # [HEAD_DIM, BLOCK_N]
+    s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale  # [ROWS, BLOCK_N]
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(
+        v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0
+    )  # [BLOCK_N, HEAD_DIM]
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
 
 
 def check_paged_inputs(
