@@ -194,6 +194,15 @@ class Scheduler:
         history = None
         if samples and params.has_penalties:
             history = TokenHistory(request.prompt_token_ids, request.output_token_ids)
+        structured = None if request.inside_thinking else params.structured
+        opener = None
+        if (
+            structured is not None
+            and thinking is not None
+            and request.num_scheduled_output_tokens == 0
+            and request.num_thinking_tokens < thinking.max_tokens
+        ):
+            opener = thinking.start_token_id
         token_ids = request.all_token_ids[start:end]
         if end > request.num_tokens:
             token_ids += [PENDING_TOKEN_ID] * (end - max(start, request.num_tokens))
@@ -209,7 +218,8 @@ class Scheduler:
             banned_token_ids=banned,
             token_history=history,
             forced_token_id=thinking.end_token_id if request.thinking_budget_spent else None,
-            structured=None if request.inside_thinking else params.structured,
+            structured=structured,
+            thinking_opener=opener,
         )
 
     def _check_stop(self, request: Request, token_id: int) -> FinishReason | None:

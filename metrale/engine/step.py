@@ -49,6 +49,9 @@ class ScheduledChunk:
     token_history: TokenHistory | None = None  # what the penalties count
     forced_token_id: int | None = None  # the only token this step may sample (thinking budget)
     structured: StructuredOutput | None = None  # the grammar this step's token must follow
+    # A token the grammar also allows: the thinking opener, while the reply may still open a
+    # thinking block before its grammar starts (the grammar applies after the block).
+    thinking_opener: int | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -268,7 +268,11 @@ class ModelRunner:
         )
 
     def _grammar(self, chunks: list[ScheduledChunk]) -> dict:
-        rows = [(row, c.request_id, c.structured) for row, c in enumerate(chunks) if c.structured]
+        rows = [
+            (row, c.request_id, c.structured, c.thinking_opener)
+            for row, c in enumerate(chunks)
+            if c.structured
+        ]
         if not rows:
             return {}
         if self.structured_outputs is None:
@@ -353,7 +357,9 @@ class ModelRunner:
         result, chunks = step.samples, step.chunks
         token_ids = result.token_ids.tolist()
         for chunk, token_id in zip(chunks, token_ids, strict=True):
-            if chunk.structured is not None and self.structured_outputs is not None:
+            if chunk.structured is None or self.structured_outputs is None:
+                continue
+            if token_id != chunk.thinking_opener:  # a thinking block opened: the grammar waits
                 self.structured_outputs.accept(chunk.request_id, token_id)
         if result.logprobs is None:
             return ModelRunnerOutput(token_ids, [None] * len(token_ids))

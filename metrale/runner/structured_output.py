@@ -68,20 +68,31 @@ class StructuredOutputs:
             raise ValueError(f"structured output: cannot compile the {spec.kind} ({e})") from e
 
     def bitmask(
-        self, rows: list[tuple[int, str, StructuredOutput]], num_rows: int, device: torch.device
+        self,
+        rows: list[tuple[int, str, StructuredOutput, int | None]],
+        num_rows: int,
+        device: torch.device,
     ) -> tuple[torch.Tensor, list[int]]:
-        """The token bitmask of the constrained rows, and which rows those are."""
+        """The token bitmask of the constrained rows, and which rows those are.
+
+        Each row is (row, request id, grammar, a token allowed besides the grammar's or None).
+        """
         import xgrammar
 
         bitmask = xgrammar.allocate_token_bitmask(num_rows, self.vocab_size)
-        for row, request_id, spec in rows:
+        for row, request_id, spec, also_allowed in rows:
             matcher = self._matchers.get(request_id)
             if matcher is None:
                 matcher = xgrammar.GrammarMatcher(self._compiled(spec))
                 self._matchers[request_id] = matcher
-            if not matcher.is_terminated():  # done (ignore_eos keeps it going): no more mask
-                matcher.fill_next_token_bitmask(bitmask, row)
-        return bitmask.to(device, non_blocking=True), [row for row, _, _ in rows]
+            if matcher.is_terminated():  # done (ignore_eos keeps it going): no more mask
+                continue
+            matcher.fill_next_token_bitmask(bitmask, row)
+            if also_allowed is not None:
+                word, bit = divmod(also_allowed, 32)
+                value = int(bitmask[row, word]) | (1 << bit)
+                bitmask[row, word] = value - (1 << 32) if value >= 1 << 31 else value  # int32
+        return bitmask.to(device, non_blocking=True), [row for row, *_ in rows]
 
     def accept(self, request_id: str, token_id: int) -> None:
         matcher = self._matchers.get(request_id)
