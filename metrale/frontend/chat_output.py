@@ -34,9 +34,19 @@ class ChatDelta:
 
 
 class ChatOutputParser:
-    def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None) -> None:
+    """`max_tool_calls`: calls past this many are dropped (`parallel_tool_calls: false`). The
+    engine stops after the first call where the format marks a call's end; this holds the line
+    for the formats that do not, on the streaming and the non-streaming path alike."""
+
+    def __init__(
+        self,
+        reasoning: ReasoningParser | None,
+        tools: ToolParser | None,
+        max_tool_calls: int | None = None,
+    ) -> None:
         self._reasoning = reasoning
         self._tools = tools
+        self._max_tool_calls = max_tool_calls
         self.num_tool_calls = 0
 
     def feed(self, text: str) -> ChatDelta:
@@ -72,6 +82,8 @@ class ChatOutputParser:
         for event in events:
             if isinstance(event, ContentDelta):
                 delta.content += event.text
+            elif self._max_tool_calls is not None and event.index >= self._max_tool_calls:
+                continue
             elif isinstance(event, ToolCallStart):
                 self.num_tool_calls += 1
                 delta.tool_calls.append(ToolCallDelta(event.index, event.id, event.name))

@@ -235,4 +235,6 @@ def output_parser(
             tools=tool_specs(body.tools),
             id_prefix=f"call_{request_id[-8:]}_",
         )
-    return ChatOutputParser(reasoning, tools)
+    return ChatOutputParser(
+        reasoning, tools, max_tool_calls=1 if body.parallel_tool_calls is False else None
+    )
