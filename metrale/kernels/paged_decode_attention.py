@@ -23,7 +23,12 @@ import torch
 import triton
 import triton.language as tl
 
-from metrale.kernels.paged_kv import attend_key_tile, check_paged_inputs, paged_kv_offsets
+from metrale.kernels.paged_kv import (
+    LOG2_E,
+    attend_key_tile,
+    check_paged_inputs,
+    paged_kv_offsets,
+)
 
 # A split this short spends more on its partial (write + reduce) than on its keys.
 _MIN_PARTITION_TOKENS = 256
@@ -112,12 +117,13 @@ def _paged_decode_split_kernel(
             kv_off,
             n_mask,
             n_mask[None, :],
-            scale,
+            scale * LOG2_E,
             m_i,
             l_i,
             acc,
             HEAD_DIM,
             DOT_PRECISION,
+            MASKED=True,
         )
 
     # Partials: [num_seqs, num_heads, num_splits] and [num_seqs, num_heads, num_splits, HEAD_DIM].
@@ -153,7 +159,7 @@ def _paged_decode_reduce_kernel(
         part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=s_mask[:, None], other=0.0
     )  # [BLOCK_S, HEAD_DIM]
     m_max = tl.max(m, 0)
-    w = tl.exp(m - m_max)  # [BLOCK_S]
+    w = tl.exp2(m - m_max)  # [BLOCK_S]; the maxima are in base 2
     total = tl.sum(w * l_s, 0)
     o = tl.sum(w[:, None] * acc, 0)  # [HEAD_DIM]
     # total is 0 only for an empty context (a padding row): write zeros, not nan.

@@ -30,6 +30,11 @@ def paged_kv_offsets(
     )
 
 
+# Scores are kept in base 2: the softmax scale is multiplied by log2(e) once, and every
+# exponential is an exp2 (one instruction) instead of an exp.
+LOG2_E = tl.constexpr(1.4426950408889634)
+
+
 @triton.jit
 def attend_key_tile(
     q,
@@ -38,28 +43,39 @@ def attend_key_tile(
     kv_off,
     n_mask,
     visible,
-    scale,
+    scale_log2,
     m_i,
     l_i,
     acc,
     HEAD_DIM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    MASKED: tl.constexpr,
 ):
     """Fold one tile of keys into the running max `m_i`, sum `l_i` and output `acc` of the
-    query rows `q` [ROWS, HEAD_DIM]; `visible` [ROWS, BLOCK_N] masks what each row may see."""
+    query rows `q` [ROWS, HEAD_DIM], in base 2 (`scale_log2` = softmax scale * log2(e)).
+
+    With MASKED, `n_mask` [BLOCK_N] says which keys exist and `visible` [ROWS, BLOCK_N] what
+    each row may see; without, every key of the tile exists and every row sees it (a tile
+    wholly before the causal diagonal), and no mask is computed.
+    """
     offs_d = tl.arange(0, HEAD_DIM)
-    k = tl.load(
-        k_cache_ptr + kv_off[None, :] + offs_d[:, None], mask=n_mask[None, :], other=0.0
-    )  # [HEAD_DIM, BLOCK_N]
-    s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale  # [ROWS, BLOCK_N]
-    s = tl.where(visible, s, float("-inf"))
+    k_ptrs = k_cache_ptr + kv_off[None, :] + offs_d[:, None]  # [HEAD_DIM, BLOCK_N]
+    v_ptrs = v_cache_ptr + kv_off[:, None] + offs_d[None, :]  # [BLOCK_N, HEAD_DIM]
+    if MASKED:  # noqa: SIM108  (a constexpr branch, as Triton compiles it)
+        k = tl.load(k_ptrs, mask=n_mask[None, :], other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+    s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [ROWS, BLOCK_N]
+    if MASKED:
+        s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp(m_i - m_new)
-    p = tl.exp(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(
-        v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0
-    )  # [BLOCK_N, HEAD_DIM]
+    if MASKED:  # noqa: SIM108
+        v = tl.load(v_ptrs, mask=n_mask[:, None], other=0.0)
+    else:
+        v = tl.load(v_ptrs)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 

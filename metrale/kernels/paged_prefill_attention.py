@@ -18,7 +18,12 @@ import torch
 import triton
 import triton.language as tl
 
-from metrale.kernels.paged_kv import attend_key_tile, check_paged_inputs, paged_kv_offsets
+from metrale.kernels.paged_kv import (
+    LOG2_E,
+    attend_key_tile,
+    check_paged_inputs,
+    paged_kv_offsets,
+)
 
 
 @triton.jit
@@ -85,7 +90,41 @@ def _paged_prefill_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     bt_row = block_tables_ptr + seq * stride_bt_seq
-    for start in range(lo, hi, BLOCK_N):
+    scale_log2 = scale * LOG2_E
+    # Key tiles wholly before the tile's first query are seen by every row: no mask to build.
+    # The tiles from there to `hi` straddle the causal diagonal (or a sliding window's edge).
+    unmasked_hi = lo
+    if not HAS_WINDOW:
+        unmasked_hi = (context_len + q_tile * BLOCK_M) // BLOCK_N * BLOCK_N
+    for start in range(lo, unmasked_hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
+        n_mask = offs_n < hi  # all true here; the unmasked tile step reads none of it
+        kv_off = paged_kv_offsets(
+            bt_row,
+            offs_n,
+            n_mask,
+            kv_head,
+            stride_cache_block,
+            stride_cache_token,
+            stride_cache_head,
+            BLOCK_SIZE,
+        )
+        m_i, l_i, acc = attend_key_tile(
+            q,
+            k_cache_ptr,
+            v_cache_ptr,
+            kv_off,
+            n_mask,
+            n_mask[None, :],
+            scale_log2,
+            m_i,
+            l_i,
+            acc,
+            HEAD_DIM,
+            DOT_PRECISION,
+            MASKED=False,
+        )
+    for start in range(unmasked_hi, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
         n_mask = offs_n < hi
         kv_off = paged_kv_offsets(
@@ -108,12 +147,13 @@ def _paged_prefill_kernel(
             kv_off,
             n_mask,
             visible,
-            scale,
+            scale_log2,
             m_i,
             l_i,
             acc,
             HEAD_DIM,
             DOT_PRECISION,
+            MASKED=True,
         )
 
     # Every real row sees at least its own key, so l_i > 0; padded rows are not stored.

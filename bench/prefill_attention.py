@@ -1,0 +1,163 @@
+"""Paged prefill attention on long prompts: TFLOP/s of each launch, beside torch SDPA.
+
+Fresh causal prefill of whole prompts (no cached prefix) in bf16, blocks of 16 tokens scattered
+over the pool, at two head layouts: Qwen3-0.6B's (16 query heads, 8 kv) with 8 prompts of 2048
+tokens (B5's shape) and Llama-3.1-8B's (32 query heads, 8 kv) with 2 prompts of 8192 tokens.
+The reference is torch's `scaled_dot_product_attention(is_causal=True)` over the same keys and
+values laid out contiguously (its flash backend), in the same run.
+
+    python bench/prefill_attention.py [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import json
+import os
+from pathlib import Path
+
+import torch
+import triton
+
+from metrale.kernels import paged_prefill_attention as ppa
+
+HEAD_DIM, BLOCK_SIZE = 128, 16
+SHAPES = {  # name: (num_heads, num_kv_heads, num_seqs, prompt_len)
+    "qwen3_0.6b_8x2048": (16, 8, 8, 2048),
+    "llama_8b_2x8192": (32, 8, 2, 8192),
+}
+
+
+def timed(fn, repeats: int = 10) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1000)
+    return sorted(times)[len(times) // 2]
+
+
+def launch(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, cfg) -> None:
+    """One launch of the prefill kernel with a chosen (BLOCK_M, BLOCK_N, warps, stages)."""
+    block_m, block_n, warps, stages = cfg
+    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+    max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    grid = (triton.cdiv(max_query_len, block_m), num_heads, seq_lens.shape[0])
+    ppa._paged_prefill_kernel[grid](
+        q,
+        k_cache,
+        v_cache,
+        out,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        HEAD_DIM**-0.5,
+        0,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        GROUP_SIZE=num_heads // num_kv_heads,
+        HEAD_DIM=HEAD_DIM,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_SIZE=BLOCK_SIZE,
+        HAS_WINDOW=False,
+        DOT_PRECISION="tf32",
+        num_warps=warps,
+        num_stages=stages,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench/results")))
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    results: dict = {"device": torch.cuda.get_device_name()}
+    configs = list(itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3)))
+    for name, (num_heads, num_kv_heads, num_seqs, prompt_len) in SHAPES.items():
+        num_tokens = num_seqs * prompt_len
+        blocks_per_seq = prompt_len // BLOCK_SIZE
+        num_blocks = num_seqs * blocks_per_seq
+        cache_shape = (num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM)
+        k_cache = torch.randn(cache_shape, dtype=torch.bfloat16, device="cuda")
+        v_cache = torch.randn(cache_shape, dtype=torch.bfloat16, device="cuda")
+        block_tables = torch.randperm(num_blocks, device="cuda").view(num_seqs, blocks_per_seq)
+        q = torch.randn(num_tokens, num_heads, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+        seq_lens = torch.full((num_seqs,), prompt_len, device="cuda")
+        query_start_loc = torch.arange(0, num_tokens + 1, prompt_len, device="cuda")
+        # Causal: half of the q.k and p.v products, 2 FLOP each.
+        flops = 4 * num_seqs * num_heads * prompt_len * prompt_len * HEAD_DIM / 2
+        row: dict = {}
+
+        def report(label: str, seconds: float, row=row, flops=flops, name=name) -> None:
+            row[label] = {"ms": seconds * 1e3, "tflops": flops / seconds / 1e12}
+            print(
+                f"{name} {label:32s} {seconds * 1e3:8.3f} ms {flops / seconds / 1e12:6.1f} TFLOP/s"
+            )
+
+        expected = ppa.paged_prefill_attention(
+            q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, prompt_len, HEAD_DIM**-0.5
+        )
+        report(
+            "metrale (default launch)",
+            timed(
+                functools.partial(
+                    ppa.paged_prefill_attention,
+                    q,
+                    k_cache,
+                    v_cache,
+                    block_tables,
+                    query_start_loc,
+                    seq_lens,
+                    prompt_len,
+                    HEAD_DIM**-0.5,
+                )
+            ),
+        )
+        out = torch.empty_like(q)
+        for cfg in configs:
+            call = functools.partial(
+                launch, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, cfg
+            )
+            try:
+                seconds = timed(call, 5)
+            except Exception as e:  # out of shared memory or registers for the bigger tiles
+                print(f"{name} {cfg}: {type(e).__name__}")
+                continue
+            torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
+            report("m{}_n{}_w{}_s{}".format(*cfg), seconds)
+        # The reference: flash SDPA over contiguous keys, GQA expanded by torch.
+        positions = torch.arange(prompt_len, device="cuda")
+        keys = k_cache[block_tables[:, positions // BLOCK_SIZE], positions % BLOCK_SIZE]
+        values = v_cache[block_tables[:, positions // BLOCK_SIZE], positions % BLOCK_SIZE]
+        qs = q.view(num_seqs, prompt_len, num_heads, HEAD_DIM).transpose(1, 2)
+        ks, vs = keys.transpose(1, 2), values.transpose(1, 2)
+        report(
+            "torch sdpa (contiguous)",
+            timed(
+                lambda qs=qs, ks=ks, vs=vs: torch.nn.functional.scaled_dot_product_attention(
+                    qs, ks, vs, is_causal=True, enable_gqa=True
+                )
+            ),
+        )
+        results[name] = row
+        del k_cache, v_cache, q, out, keys, values
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "prefill_attention.json").write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
