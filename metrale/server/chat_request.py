@@ -136,7 +136,15 @@ def tool_call_params(
 
 def structured_output(state: ServerState, body: ChatCompletionRequest) -> StructuredOutput | None:
     """The grammar the reply must follow: a forced tool call, `structured_outputs`, or
-    `response_format`; None when it is free text."""
+    `response_format`; None when it is free text. With a reasoning parser the model may think
+    first; the grammar then starts after the block and the blank line that follows it."""
+    structured = _requested_grammar(state, body)
+    if structured is None or state.settings.reasoning_parser is None:
+        return structured
+    return dataclasses.replace(structured, max_leading_newlines=2)
+
+
+def _requested_grammar(state: ServerState, body: ChatCompletionRequest) -> StructuredOutput | None:
     choice = body.tool_choice
     if body.tools and choice not in (None, "auto", "none"):
         return _tool_call_grammar(state, body)
@@ -175,8 +183,9 @@ def structured_output(state: ServerState, body: ChatCompletionRequest) -> Struct
 
 
 def _tool_call_grammar(state: ServerState, body: ChatCompletionRequest) -> StructuredOutput:
-    """`tool_choice` required or named: the reply must be one call in the parser's format, to
-    one of the tools (required) or to the one named."""
+    """`tool_choice` required or named: the reply must be calls in the parser's format. Named,
+    one call to that function; required, one or more calls to any of the tools, as OpenAI and
+    vLLM allow, or exactly one with `parallel_tool_calls: false`."""
     tools = body.tools or []
     choice = body.tool_choice
     if isinstance(choice, dict):
@@ -199,7 +208,8 @@ def _tool_call_grammar(state: ServerState, body: ChatCompletionRequest) -> Struc
             param="tool_choice",
         )
     try:
-        grammar = _call_grammar(format_name, json.dumps(tools))
+        several = choice == "required" and body.parallel_tool_calls is not False
+        grammar = _call_grammar(format_name, json.dumps(tools), several)
     except Exception as e:  # a tool the format cannot write, or a schema xgrammar refuses
         raise APIError(
             f"tool_choice {choice!r}: cannot force a {format_name} tool call for these tools ({e})",
@@ -215,9 +225,10 @@ def _tool_call_grammar(state: ServerState, body: ChatCompletionRequest) -> Struc
 
 
 @functools.lru_cache(maxsize=64)
-def _call_grammar(format_name: str, tools_json: str) -> str | None:
+def _call_grammar(format_name: str, tools_json: str, several: bool) -> str | None:
     """Cached by the tools' text: agents send the same tools with every turn."""
-    return tool_parser_class(format_name).call_grammar(tool_specs(json.loads(tools_json)))
+    specs = tool_specs(json.loads(tools_json))
+    return tool_parser_class(format_name).call_grammar(specs, several=several)
 
 
 def output_parser(

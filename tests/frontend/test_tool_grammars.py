@@ -1,10 +1,11 @@
 """Each format's forced-call grammar against its own parser.
 
-The grammar must accept the parser's well-formed single-call fixtures, refuse a call to a
-function it was not given, and, above all, everything it lets a model write must parse back
-into exactly one call to an allowed function with arguments the schema accepts. The last is
-checked on texts drawn from the grammar itself, token by token over a small vocabulary, as a
-model with random weights would write them.
+The grammar must accept the parser's well-formed single-call fixtures, and its multi-call ones
+exactly when several calls are allowed; refuse a call to a function it was not given; and,
+above all, everything it lets a model write must parse back into exactly one call (one or
+more where several are allowed) to an allowed function with arguments the schema accepts. The
+last is checked on texts drawn from the grammar itself, token by token over a small
+vocabulary, as a model with random weights would write them.
 """
 
 from __future__ import annotations
@@ -89,6 +90,19 @@ VALID_CALLS = {
 }
 VALID_CALLS["qwen3_xml"] = VALID_CALLS["qwen3_coder"]
 
+# The fixtures of each format that are several well-formed calls and nothing else, in the
+# layout its template writes for parallel calls.
+SEVERAL_CALLS = {
+    "hermes": ["parallel_calls"],
+    "qwen3_coder": ["parallel_calls"],
+    "qwen3_xml": ["parallel_calls"],
+    "gemma4": ["back_to_back_calls"],
+    "mistral": ["array_parallel", "v11_parallel"],
+    "minimax_xml": ["two_invokes_one_block"],
+    "poolside_v1": ["parallel_calls"],
+    "bare_json": ["array_of_full_calls"],
+}
+
 # Tools whose schemas exercise what the grammars must keep: required parameters, enums of
 # untyped values, bounded numbers, nested objects, nullable values, a parameter-less function.
 RICH_TOOLS = [
@@ -149,9 +163,9 @@ def compiler():
     return xgrammar.GrammarCompiler(info)
 
 
-def compiled(compiler, fmt: str, specs) -> Any:
+def compiled(compiler, fmt: str, specs, several: bool = False) -> Any:
     return compiler.compile_grammar(
-        xgrammar.Grammar.from_ebnf(tool_parser_class(fmt).call_grammar(specs))
+        xgrammar.Grammar.from_ebnf(tool_parser_class(fmt).call_grammar(specs, several=several))
     )
 
 
@@ -165,24 +179,39 @@ def parse(fmt: str, text: str, specs) -> tuple[str, list]:
     return collect([*parser.feed(text), *parser.finish()])
 
 
+@pytest.mark.parametrize("several", [False, True])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_grammar_accepts_the_parsers_single_calls(compiler, fmt):
-    grammar = compiled(compiler, fmt, TOOLS)
+def test_grammar_accepts_the_parsers_single_calls(compiler, fmt, several):
+    grammar = compiled(compiler, fmt, TOOLS, several)
     fixtures = {name: text for name, text, _, _ in FIXTURES[fmt]}
     for name in VALID_CALLS[fmt]:
         assert accepts(grammar, fixtures[name]), f"{fmt} grammar refuses fixture {name}"
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_grammar_refuses_other_functions_and_more_calls(compiler, fmt):
+def test_grammar_accepts_several_calls_only_where_allowed(compiler, fmt):
+    one, several = compiled(compiler, fmt, TOOLS), compiled(compiler, fmt, TOOLS, several=True)
+    fixtures = {name: (text, calls) for name, text, _, calls in FIXTURES[fmt]}
+    for name in SEVERAL_CALLS[fmt]:
+        text, calls = fixtures[name]
+        text = text.rstrip("\n")  # hermes's fixture ends in a newline no template writes
+        assert len(calls) > 1
+        assert accepts(several, text), f"{fmt} grammar refuses fixture {name}"
+        assert not accepts(one, text), f"{fmt} one-call grammar accepts fixture {name}"
+
+
+@pytest.mark.parametrize("several", [False, True])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_grammar_refuses_other_functions_and_more_calls(compiler, fmt, several):
     only_time = [tool for tool in TOOLS if tool.name == "get_time"]
-    grammar = compiled(compiler, fmt, only_time)
+    grammar = compiled(compiler, fmt, only_time, several)
     fixtures = {name: text for name, text, _, _ in FIXTURES[fmt]}
     call = fixtures[VALID_CALLS[fmt][0]]  # a call to get_weather
     assert "get_weather" in call and not accepts(grammar, call)
     renamed = call.replace("get_weather", "get_timer")
-    assert not accepts(compiled(compiler, fmt, TOOLS), renamed), "an unknown function"
-    assert not accepts(compiled(compiler, fmt, TOOLS), call + call), "two calls"
+    assert not accepts(compiled(compiler, fmt, TOOLS, several), renamed), "an unknown function"
+    if not several:
+        assert not accepts(compiled(compiler, fmt, TOOLS), call + call), "two calls"
 
 
 def draw(grammar, rng: random.Random, max_tokens: int = 400) -> str | None:
@@ -204,11 +233,13 @@ def draw(grammar, rng: random.Random, max_tokens: int = 400) -> str | None:
     return None
 
 
+@pytest.mark.parametrize("several", [False, True])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_whatever_the_grammar_allows_parses_to_one_valid_call(compiler, fmt):
-    rng = random.Random(fmt)
+def test_whatever_the_grammar_allows_parses_to_valid_calls(compiler, fmt, several):
+    rng = random.Random(f"{fmt}-several" if several else fmt)
+    num_with_several = 0
     for specs, named in [(RICH_SPECS, None), (RICH_SPECS[:1], "book"), (TOOLS, None)]:
-        grammar = compiled(compiler, fmt, specs)
+        grammar = compiled(compiler, fmt, specs, several)
         num_drawn = 0
         for _ in range(12):
             text = draw(grammar, rng)
@@ -216,14 +247,18 @@ def test_whatever_the_grammar_allows_parses_to_one_valid_call(compiler, fmt):
                 continue
             num_drawn += 1
             content, calls = parse(fmt, text, specs)
-            assert content == "" and len(calls) == 1, f"{fmt}: {text!r} -> {content!r}, {calls}"
-            (call,) = calls
-            assert call.name in {spec.name for spec in specs}
-            assert named is None or call.name == named
-            arguments = json.loads(call.arguments)
-            schema = SCHEMAS.get(call.name) or next(s for s in specs if s.name == call.name).schema
-            assert_valid(arguments, schema or {"type": "object"}, f"{fmt}: {text!r}")
+            num_allowed = len(calls) >= 1 if several else len(calls) == 1
+            assert content == "" and num_allowed, f"{fmt}: {text!r} -> {content!r}, {calls}"
+            num_with_several += len(calls) > 1
+            for call in calls:
+                assert call.name in {spec.name for spec in specs}
+                assert named is None or call.name == named
+                arguments = json.loads(call.arguments)
+                spec = next(s for s in specs if s.name == call.name)
+                schema = SCHEMAS.get(call.name) or spec.schema
+                assert_valid(arguments, schema or {"type": "object"}, f"{fmt}: {text!r}")
         assert num_drawn >= 6, f"{fmt}: too few drawn texts ended"
+    assert (num_with_several > 0) == several, f"{fmt}: {num_with_several} drawn with 2+ calls"
 
 
 def test_gemma_arguments_have_no_whitespace(compiler):

@@ -441,6 +441,13 @@ MISTRAL: list[Fixture] = [
         "Sure.",
         [PARIS, GET_TIME],
     ),
+    (
+        "array_parallel",
+        '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+        '{"name": "get_time", "arguments": {}}]',
+        "",
+        [PARIS, GET_TIME],
+    ),
     ("v11_single", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}', "", [PARIS]),
     (
         "v11_parallel",
@@ -719,6 +726,13 @@ BARE_JSON: list[Fixture] = [
     (
         "array_of_calls",
         '[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_time"}]',
+        "",
+        [PARIS, GET_TIME],
+    ),
+    (
+        "array_of_full_calls",
+        '[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+        '{"name": "get_time", "parameters": {}}]',
         "",
         [PARIS, GET_TIME],
     ),

@@ -158,9 +158,13 @@ PICK_TOOL = {
 }
 
 
-@pytest.mark.parametrize("choice", [{"type": "any"}, {"type": "tool", "name": "pick_colour"}])
+@pytest.mark.parametrize(
+    "choice",
+    [{"type": "any", "disable_parallel_tool_use": True}, {"type": "tool", "name": "pick_colour"}],
+)
 def test_forced_tool_choice_always_yields_a_valid_call(client, choice):
-    """The grammar forces a well-formed call even from random weights."""
+    """The grammar forces one well-formed call even from random weights (`any` with parallel
+    calls may make several: tests/server/test_forced_tool_calls.py)."""
     reply = greedy(client, tools=[PICK_TOOL], tool_choice=choice, max_tokens=200)
     (call,) = [b for b in reply.content if b.type == "tool_use"]
     assert reply.stop_reason == "tool_use"

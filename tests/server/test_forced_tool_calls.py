@@ -5,6 +5,9 @@ tokenizers do, and requests bias the model towards them: the grammar then makes 
 them as those tokens, and the reply parses only if detokenization keeps them (and only them).
 The engine core runs in the test's thread, one request at a time; everything from the HTTP
 request to the parsed reply is the real server.
+
+`required` lets the model write one or more calls unless `parallel_tool_calls` is false; a
+model with random weights, once allowed, tends to write calls until `max_tokens`.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from fastapi.testclient import TestClient
 from metrale.engine.core import EngineCore
 from metrale.engine_args import EngineArgs
 from metrale.frontend.output_processor import OutputProcessor
-from metrale.frontend.tool_parsers import tool_parser_class, tool_parser_names
+from metrale.frontend.tool_parsers import tool_parser_class, tool_parser_names, tool_specs
 from metrale.server.app import build_app
 from metrale.server.state import ServerSettings, ServerState
 from metrale.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -56,9 +59,12 @@ CLOCK = {
 TOOLS = [{"type": "function", "function": f} for f in (PICK, CLOCK)]
 SCHEMAS = {f["name"]: f["parameters"] for f in (PICK, CLOCK)}
 USER = [{"role": "user", "content": "Pick a colour."}]
+NAMED = {"type": "function", "function": {"name": "pick_colour"}}
+# Each choice's request fields, and whether its grammar lets the model write several calls.
 CHOICES = {
-    "required": "required",
-    "named": {"type": "function", "function": {"name": "pick_colour"}},
+    "required": ({"tool_choice": "required"}, True),
+    "required_one_call": ({"tool_choice": "required", "parallel_tool_calls": False}, False),
+    "named": ({"tool_choice": NAMED}, False),
 }
 
 
@@ -128,6 +134,21 @@ def marker_bias(llm: InlineLLM) -> dict[str, float]:
     return {str(llm.tokenizer.token_to_id(m)): 30.0 for m in SPECIAL_MARKERS}
 
 
+def end_bias(llm: InlineLLM) -> dict[str, float]:
+    """The end of the turn, as soon as the grammar lets the reply end: after its first call."""
+    return {str(i): 100.0 for i in llm.core.config.eos_token_ids}
+
+
+def engine_grammar(llm: InlineLLM) -> str | None:
+    structured = llm.requests[-1].sampling_params.structured
+    return None if structured is None else structured.spec
+
+
+def expected_grammar(fmt: str, names: list[str], several: bool) -> str | None:
+    tools = [tool for tool in TOOLS if tool["function"]["name"] in names]
+    return tool_parser_class(fmt).call_grammar(tool_specs(tools), several=several)
+
+
 def streamed(http: TestClient, body: dict) -> tuple[str, list[tuple[str, str]], str | None]:
     content, calls, finish = "", {}, None
     with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as response:
@@ -148,17 +169,20 @@ def streamed(http: TestClient, body: dict) -> tuple[str, list[tuple[str, str]], 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_forced_call_in_every_format(llm, fmt, choice):
     http = http_for(llm, fmt)
+    fields, several = CHOICES[choice]
     body = {
         "model": "m",
         "messages": USER,
         "tools": TOOLS,
-        "tool_choice": CHOICES[choice],
+        **fields,
         "max_tokens": 200,
         "temperature": 0,
-        "logit_bias": marker_bias(llm),
+        "logit_bias": {**marker_bias(llm), **end_bias(llm)},
     }
     reply = http.post("/v1/chat/completions", json=body)
     assert reply.status_code == 200, reply.text
+    names = ["pick_colour"] if choice == "named" else list(SCHEMAS)
+    assert engine_grammar(llm) == expected_grammar(fmt, names, several)
     (result,) = reply.json()["choices"]
     message = result["message"]
     assert result["finish_reason"] == "tool_calls", message
@@ -176,11 +200,55 @@ def test_forced_call_in_every_format(llm, fmt, choice):
     assert streamed(http, body) == ("", [(name, arguments)], "tool_calls")
 
 
+def test_required_writes_several_calls_unless_parallel_calls_are_off(llm):
+    """Left to itself, the model writes call after call where the grammar allows it; every
+    call it finished is valid, and with `parallel_tool_calls: false` there is one."""
+    num_calls = {}
+    for fmt in FORMATS:
+        http = http_for(llm, fmt)
+        for parallel in (True, False):
+            body = {
+                "model": "m",
+                "messages": USER,
+                "tools": TOOLS,
+                "tool_choice": "required",
+                "parallel_tool_calls": parallel,
+                "max_tokens": 200,
+                "temperature": 0,
+                "logit_bias": marker_bias(llm),
+            }
+            (result,) = http.post("/v1/chat/completions", json=body).json()["choices"]
+            assert engine_grammar(llm) == expected_grammar(fmt, list(SCHEMAS), parallel)
+            message, finish = result["message"], result["finish_reason"]
+            calls = [
+                (c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]
+            ]
+            if finish == "length":
+                # Cut short, and so may be its last call (or that call's name, left as content).
+                assert parallel
+                calls_done = calls[:-1]
+            else:
+                assert (finish, message["content"]) == ("tool_calls", None), result
+                calls_done = calls
+            for name, arguments in calls_done:
+                assert_valid(json.loads(arguments), SCHEMAS[name], f"{fmt}: {arguments}")
+            assert streamed(http, body) == (message["content"] or "", calls, finish)
+            num_calls[fmt, parallel] = len(calls)
+    assert all(num_calls[fmt, False] == 1 for fmt in FORMATS), num_calls
+    assert all(num_calls[fmt, True] >= 1 for fmt in FORMATS), num_calls
+    assert sum(num_calls[fmt, True] > 1 for fmt in FORMATS) >= 4, num_calls
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_anthropic_forced_tool_use(llm, fmt):
     http = http_for(llm, fmt)
     tools = [{"name": f["name"], "input_schema": f["parameters"]} for f in (PICK, CLOCK)]
-    for choice in ({"type": "any"}, {"type": "tool", "name": "get_time"}):
+    choices = [
+        ({"type": "any"}, True),
+        ({"type": "any", "disable_parallel_tool_use": True}, False),
+        ({"type": "tool", "name": "get_time"}, False),
+    ]
+    for choice, several in choices:
         reply = http.post(
             "/v1/messages",
             json={
@@ -192,10 +260,15 @@ def test_anthropic_forced_tool_use(llm, fmt):
                 "temperature": 0,
             },
         ).json()
-        (block,) = [b for b in reply["content"] if b["type"] == "tool_use"]
-        assert reply["stop_reason"] == "tool_use", reply
-        assert choice["type"] == "any" or block["name"] == "get_time"
-        assert_valid(block["input"], SCHEMAS[block["name"]], f"{fmt}: {block}")
+        names = [choice["name"]] if choice["type"] == "tool" else list(SCHEMAS)
+        assert engine_grammar(llm) == expected_grammar(fmt, names, several)
+        blocks = [b for b in reply["content"] if b["type"] == "tool_use"]
+        assert reply["stop_reason"] in (("tool_use", "max_tokens") if several else ("tool_use",))
+        assert (len(blocks) >= 1) if several else (len(blocks) == 1), reply
+        finished = blocks[:-1] if reply["stop_reason"] == "max_tokens" else blocks
+        for block in finished:
+            assert choice["type"] == "any" or block["name"] == "get_time"
+            assert_valid(block["input"], SCHEMAS[block["name"]], f"{fmt}: {block}")
 
 
 def test_a_tool_the_format_cannot_write_is_a_400(llm):

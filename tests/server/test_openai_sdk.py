@@ -280,12 +280,15 @@ COLOUR_TOOL = {
     "choice", ["required", {"type": "function", "function": {"name": "pick_colour"}}]
 )
 def test_forced_tool_choice_is_enforced_by_the_grammar(client, choice):
-    """Random weights, yet the reply is always one well-formed call (hermes format)."""
+    """Random weights, yet the reply is always one well-formed call (hermes format): a named
+    function gets one call, and so does `required` without parallel calls (with them it may
+    make several: tests/server/test_forced_tool_calls.py)."""
     kwargs = {
         "model": MODEL_NAME,
         "messages": MESSAGES,
         "tools": [COLOUR_TOOL],
         "tool_choice": choice,
+        "parallel_tool_calls": False,
         "max_tokens": 100,
         "temperature": 1.0,
         "seed": 5,

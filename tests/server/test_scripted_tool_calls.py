@@ -238,15 +238,34 @@ def test_plain_text_with_tools_offered_is_content(http, scripted):
     )
 
 
-def test_no_parallel_tool_calls_ends_the_reply_after_the_first_call(http):
+@pytest.mark.parametrize("tool_choice", ["auto", "required"])
+def test_no_parallel_tool_calls_ends_the_reply_after_the_first_call(http, tool_choice):
     scenario = SCENARIOS["two_calls"]
-    response = chat(http, scenario, parallel_tool_calls=False)
+    fields = {"tool_choice": tool_choice, "parallel_tool_calls": False}
+    response = chat(http, scenario, **fields)
     (choice,) = response["choices"]
     assert choice["finish_reason"] == "tool_calls"
     assert [(name, json.loads(args)) for name, args in call_pairs(choice["message"])] == [WEATHER]
-    streamed = chat_stream(http, scenario, parallel_tool_calls=False)
+    streamed = chat_stream(http, scenario, **fields)
     assert streamed.finish_reason == "tool_calls"
     assert [(c["name"], c["arguments"]) for c in streamed.calls] == call_pairs(choice["message"])
+
+
+def test_required_admits_the_models_parallel_calls(http, scripted):
+    """With parallel calls allowed, the grammar takes the second call too, token for token:
+    the reply is what tool_choice auto gives."""
+    scenario = SCENARIOS["two_calls"]
+    auto = chat(http, scenario)
+    forced = chat(http, scenario, tool_choice="required")
+    (choice,) = forced["choices"]
+    assert choice["finish_reason"] == "tool_calls"
+    calls = call_pairs(choice["message"])
+    assert [(name, json.loads(args)) for name, args in calls] == [WEATHER, TAXI]
+    assert calls == call_pairs(auto["choices"][0]["message"])
+    assert forced["usage"]["completion_tokens"] == num_reply_tokens(scripted, scenario)
+    streamed = chat_stream(http, scenario, tool_choice="required")
+    assert streamed.finish_reason == "tool_calls"
+    assert [(c["name"], c["arguments"]) for c in streamed.calls] == calls
 
 
 @pytest.mark.parametrize(
@@ -376,5 +395,18 @@ def test_anthropic_tool_choice_any_admits_the_models_own_call(http):
     reply = http.post("/v1/messages", json=body).json()
     assert [(b["type"], b["name"], b["input"]) for b in reply["content"]] == [
         ("tool_use", *WEATHER)
+    ]
+    assert reply["stop_reason"] == "tool_use"
+
+
+@pytest.mark.parametrize(
+    ("disable_parallel", "calls"), [(False, [WEATHER, TAXI]), (True, [WEATHER])]
+)
+def test_anthropic_tool_choice_any_and_parallel_tool_use(http, disable_parallel, calls):
+    scenario = SCENARIOS["two_calls"]
+    choice = {"type": "any", "disable_parallel_tool_use": disable_parallel}
+    reply = http.post("/v1/messages", json=messages_body(scenario, tool_choice=choice)).json()
+    assert [(b["type"], b["name"], b["input"]) for b in reply["content"]] == [
+        ("tool_use", *call) for call in calls
     ]
     assert reply["stop_reason"] == "tool_use"

@@ -7,8 +7,8 @@
 
 Formats register by name in `registry`; importing this package registers them all. A format's
 class also says what a request needs of it: `tool_parser_class(name).call_grammar(tools)` is
-the grammar that forces one call, ``markers`` the strings detokenization must keep, and
-``call_end`` where a reply with one call may stop.
+the grammar that forces one call (``several=True``: one or more), ``markers`` the strings
+detokenization must keep, and ``call_end`` where a reply with one call may stop.
 """
 
 from metrale.frontend.tool_parsers import bare_json as _bare_json  # noqa: F401  (registers)

@@ -12,7 +12,8 @@ call.
 The format has no markers: nothing ends one call but the JSON itself, so no stop string can
 cut a reply after its first call (`parallel_tool_calls: false` leaves the reply as it is; the
 parser reads only the first object or array anyway). The grammar that forces a call writes the
-object alone.
+object alone; where several calls are allowed, the object or an array of one or more, the
+array being how vLLM's guided ``tool_choice="required"`` writes them.
 """
 
 from __future__ import annotations
@@ -22,7 +23,11 @@ from collections.abc import Sequence
 from metrale.frontend.tool_parsers.base import ToolParserOptions
 from metrale.frontend.tool_parsers.block_parser import BlockParser, BlockReader
 from metrale.frontend.tool_parsers.grammar import GrammarBuilder, one_call_of
-from metrale.frontend.tool_parsers.json_call import JsonCallsBlock, call_object_grammar
+from metrale.frontend.tool_parsers.json_call import (
+    JsonCallsBlock,
+    call_array_grammar,
+    call_object_grammar,
+)
 from metrale.frontend.tool_parsers.registry import register_tool_parser
 from metrale.frontend.tool_parsers.schema import ToolSpec
 from metrale.frontend.tool_parsers.tags import skip_space
@@ -47,6 +52,9 @@ class BareJsonToolParser(BlockParser):
         return JsonCallsBlock(self.sink, self.options.tools.keys() or None)
 
     @classmethod
-    def call_grammar(cls, tools: Sequence[ToolSpec]) -> str:
+    def call_grammar(cls, tools: Sequence[ToolSpec], *, several: bool = False) -> str:
         grammar = GrammarBuilder()
-        return grammar.build(one_call_of(tools, lambda tool: call_object_grammar(grammar, tool)))
+        call = one_call_of(tools, lambda tool: call_object_grammar(grammar, tool))
+        if not several:
+            return grammar.build(call)
+        return grammar.build(f"{call} | {call_array_grammar(grammar, call, several=True)}")

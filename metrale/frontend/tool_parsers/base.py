@@ -106,13 +106,14 @@ class ToolParser(ABC):
     call_end: ClassVar[str | None] = None
 
     @classmethod
-    def call_grammar(cls, tools: Sequence[ToolSpec]) -> str | None:
+    def call_grammar(cls, tools: Sequence[ToolSpec], *, several: bool = False) -> str | None:
         """An EBNF grammar (xgrammar's dialect) for a reply that is one call to one of ``tools``;
-        None if the format has none.
+        with ``several``, one or more such calls, laid out as the format writes parallel
+        calls. None if the format has none.
 
-        Whatever the grammar accepts, this parser reads back as exactly that one call, with
-        arguments the tool's JSON schema accepts as far as the format can write them. Raises
-        ValueError when a tool cannot be written in the format.
+        Whatever the grammar accepts, this parser reads back as exactly those calls (one
+        without ``several``), each with arguments the tool's JSON schema accepts as far as the
+        format can write them. Raises ValueError when a tool cannot be written in the format.
         """
         return None
 

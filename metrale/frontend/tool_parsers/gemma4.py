@@ -13,7 +13,8 @@ its end is seen: JSON numbers, true, false and null as they are (``None`` as nul
 bare text as a string.
 
 The markers are special tokens in Gemma's tokenizer. The grammar that forces a call writes the
-arguments in xgrammar's Gemma style of JSON schema, which is this syntax.
+arguments in xgrammar's Gemma style of JSON schema, which is this syntax, and several calls
+back to back, as the template does.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from metrale.frontend.tool_parsers.grammar import (
     checked_name,
     literal,
     one_call_of,
+    repeat_calls,
 )
 from metrale.frontend.tool_parsers.json_scanner import MAX_DEPTH
 from metrale.frontend.tool_parsers.names import NameScan, scan_name
@@ -293,13 +295,14 @@ class Gemma4ToolParser(BlockParser):
         return GemmaBlock(self.sink)
 
     @classmethod
-    def call_grammar(cls, tools: Sequence[ToolSpec]) -> str:
+    def call_grammar(cls, tools: Sequence[ToolSpec], *, several: bool = False) -> str:
         grammar = GrammarBuilder()
         call = one_call_of(
             tools,
             lambda tool: f"{literal(checked_name(tool))} {_arguments_grammar(grammar, tool)}",
         )
-        return grammar.build(f"{literal(CALL_OPEN + CALL_PREFIX)} {call} {literal(CALL_CLOSE)}")
+        block = f"{literal(CALL_OPEN + CALL_PREFIX)} {call} {literal(CALL_CLOSE)}"
+        return grammar.build(repeat_calls(grammar, block, several=several))
 
 
 def _arguments_grammar(grammar: GrammarBuilder, tool: ToolSpec) -> str:

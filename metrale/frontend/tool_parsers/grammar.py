@@ -1,14 +1,15 @@
-"""Grammars that force a reply to be one tool call: the parts every format shares.
+"""Grammars that force a reply to be tool calls: the parts every format shares.
 
 Each format's parser class owns its grammar (`ToolParser.call_grammar`), an EBNF text in
 xgrammar's dialect written against the syntax its own reader accepts, so that whatever the
-grammar lets a model write parses back into exactly one call to one of the tools. Layout the
-template writes and the parser skips (a newline between tags) is allowed, never required.
+grammar lets a model write parses back into exactly one call to one of the tools, or, where
+several are allowed, into one or more such calls. Layout the template writes and the parser
+skips (a newline between tags) is allowed, never required.
 
 `GrammarBuilder` collects the rules of one grammar: its own, and those xgrammar derives from a
 JSON schema (arguments, typed values), renamed apart so that any number of them can be
 embedded. `ordered_members` writes an object's members in their declared order, with the
-required ones present.
+required ones present; `repeat_calls` repeats a call when several are allowed.
 """
 
 from __future__ import annotations
@@ -143,6 +144,17 @@ def ordered_members(grammar: GrammarBuilder, members: Sequence[tuple[str, bool]]
 def one_call_of(tools: Sequence[ToolSpec], spell: Callable[[ToolSpec], str]) -> str:
     """The alternatives of a call to each tool; ``spell`` writes one tool's call."""
     return "(" + " | ".join(f"({spell(tool)})" for tool in tools) + ")"
+
+
+def repeat_calls(
+    grammar: GrammarBuilder, call: str, *, several: bool, separator: str = '""'
+) -> str:
+    """``call`` (the EBNF of one call, in its frame) once; with ``several``, one or more times
+    with ``separator`` (EBNF) between each and the next."""
+    item = grammar.rule("call", call)
+    if not several:
+        return item
+    return grammar.rule("calls", f"{item} ({separator} {item})*")
 
 
 def checked_name(tool: ToolSpec) -> str:

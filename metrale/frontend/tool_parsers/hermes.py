@@ -8,7 +8,8 @@
 Source: the Qwen2.5 and Qwen3 chat templates ("return a json object with function name and
 arguments within <tool_call></tool_call> XML tags"), as in the demo template here. A block
 whose JSON has no name stays content, tags included; a ``</tool_call>`` inside a JSON string
-is text, since the object is read with its strings.
+is text, since the object is read with its strings. Parallel calls are blocks one after
+another, a newline between them.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from metrale.frontend.tool_parsers.grammar import (
     GrammarBuilder,
     literal,
     one_call_of,
+    repeat_calls,
 )
 from metrale.frontend.tool_parsers.json_call import JsonCallBlock, call_object_grammar
 from metrale.frontend.tool_parsers.registry import register_tool_parser
@@ -40,8 +42,9 @@ class HermesToolParser(BlockParser):
         return JsonCallBlock(self.sink, closer=CALL_CLOSE)
 
     @classmethod
-    def call_grammar(cls, tools: Sequence[ToolSpec]) -> str:
+    def call_grammar(cls, tools: Sequence[ToolSpec], *, several: bool = False) -> str:
         grammar = GrammarBuilder()
         call = one_call_of(tools, lambda tool: call_object_grammar(grammar, tool))
         nl = OPTIONAL_NEWLINE
-        return grammar.build(f"{literal(CALL_OPEN)} {nl} {call} {nl} {literal(CALL_CLOSE)}")
+        block = f"{literal(CALL_OPEN)} {nl} {call} {nl} {literal(CALL_CLOSE)}"
+        return grammar.build(repeat_calls(grammar, block, several=several, separator=nl))

@@ -7,7 +7,8 @@ stream and a whole text: an object is a call once its "name" member has been rea
 character the arguments are closed at their last valid point. An object that ends without a
 name is not a call, and its text is left to the caller (as content).
 
-`call_object_grammar` writes such an object for grammars that force a call.
+`call_object_grammar` writes such an object for grammars that force a call, and
+`call_array_grammar` an array of them.
 """
 
 from __future__ import annotations
@@ -17,7 +18,12 @@ from collections.abc import Collection
 from enum import Enum, auto
 
 from metrale.frontend.tool_parsers.block_parser import BlockReader
-from metrale.frontend.tool_parsers.grammar import GrammarBuilder, arguments_schema, literal
+from metrale.frontend.tool_parsers.grammar import (
+    GrammarBuilder,
+    arguments_schema,
+    literal,
+    repeat_calls,
+)
 from metrale.frontend.tool_parsers.json_scanner import JsonScanner, Step
 from metrale.frontend.tool_parsers.names import is_valid_name
 from metrale.frontend.tool_parsers.schema import ToolSpec
@@ -202,6 +208,13 @@ def call_object_grammar(grammar: GrammarBuilder, tool: ToolSpec) -> str:
     name = literal(f'{{"name": {json.dumps(tool.name, ensure_ascii=False)}, ')
     keys = " | ".join(literal(f'"{key}": ') for key in ARGUMENT_KEYS)
     return f'{name} ({keys}) {grammar.json_value(arguments_schema(tool))} "}}"'
+
+
+def call_array_grammar(grammar: GrammarBuilder, call: str, *, several: bool) -> str:
+    """EBNF of a JSON array of ``call`` (the EBNF of one call object): one element, or with
+    ``several`` one or more, comma-separated as ``json.dumps`` writes them."""
+    elements = repeat_calls(grammar, call, several=several, separator='"," " "?')
+    return f'"[" {elements} "]"'
 
 
 class JsonCallBlock(BlockReader):

@@ -16,7 +16,8 @@ code keeps its indentation, while other types ignore surrounding whitespace.
 The older MiniMax-M1 / Text-01 wrote JSON lines in ``<tool_calls>``; that is another format
 and is not handled here.
 
-A block may hold several invokes, so a reply with one call ends at ``</invoke>``.
+A block may hold several invokes, so a reply with one call ends at ``</invoke>``; the grammar
+for several calls writes them as invokes of one block, as the guide describes.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from metrale.frontend.tool_parsers.grammar import (
     checked_name,
     literal,
     one_call_of,
+    repeat_calls,
 )
 from metrale.frontend.tool_parsers.names import NameScan, scan_name
 from metrale.frontend.tool_parsers.registry import register_tool_parser
@@ -155,7 +157,7 @@ class MinimaxXmlToolParser(BlockParser):
         return MinimaxBlock(self.sink, self.options)
 
     @classmethod
-    def call_grammar(cls, tools: Sequence[ToolSpec]) -> str:
+    def call_grammar(cls, tools: Sequence[ToolSpec], *, several: bool = False) -> str:
         grammar = GrammarBuilder()
         nl = OPTIONAL_NEWLINE
 
@@ -170,6 +172,5 @@ class MinimaxXmlToolParser(BlockParser):
                 f"{parameters_grammar(grammar, tool, RULES, parameter)}"
             ),
         )
-        return grammar.build(
-            f"{literal(BLOCK_OPEN)} {nl} {call} {literal(INVOKE_CLOSE)} {nl} {literal(BLOCK_CLOSE)}"
-        )
+        invokes = repeat_calls(grammar, f"{call} {literal(INVOKE_CLOSE)} {nl}", several=several)
+        return grammar.build(f"{literal(BLOCK_OPEN)} {nl} {invokes} {literal(BLOCK_CLOSE)}")

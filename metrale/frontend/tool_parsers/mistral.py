@@ -13,7 +13,8 @@ whatever follows the opener decides; a lone object instead of an array is accept
 The markers are special tokens in Mistral's tokenizers. No marker ends a call (the next call's
 ``[TOOL_CALLS]`` or the end of the array does), so no stop string can cut a reply after its
 first call: `parallel_tool_calls: false` leaves the reply as it is. The grammar that forces a
-call offers both spellings, so that the model writes the one its tokenizer version taught it.
+call offers both spellings, so that the model writes the one its tokenizer version taught it;
+several calls are more elements of the array, or more ``[TOOL_CALLS]`` calls in the v11 form.
 """
 
 from __future__ import annotations
@@ -28,10 +29,12 @@ from metrale.frontend.tool_parsers.grammar import (
     checked_name,
     literal,
     one_call_of,
+    repeat_calls,
 )
 from metrale.frontend.tool_parsers.json_call import (
     ArgumentsStream,
     JsonCallsBlock,
+    call_array_grammar,
     call_object_grammar,
 )
 from metrale.frontend.tool_parsers.json_scanner import Step
@@ -130,13 +133,15 @@ class MistralToolParser(BlockParser):
         return MistralBlock(self.sink)
 
     @classmethod
-    def call_grammar(cls, tools: Sequence[ToolSpec]) -> str:
+    def call_grammar(cls, tools: Sequence[ToolSpec], *, several: bool = False) -> str:
         grammar = GrammarBuilder()
-        v11 = one_call_of(
+        v11_call = one_call_of(
             tools,
             lambda tool: (
                 f"{literal(checked_name(tool) + ARGS)} {grammar.json_value(arguments_schema(tool))}"
             ),
         )
-        array = one_call_of(tools, lambda tool: call_object_grammar(grammar, tool))
-        return grammar.build(f'{literal(CALLS_OPEN)} ({v11} | (" "? "[" {array} "]"))')
+        v11 = repeat_calls(grammar, v11_call, several=several, separator=literal(CALLS_OPEN))
+        call_object = one_call_of(tools, lambda tool: call_object_grammar(grammar, tool))
+        array = call_array_grammar(grammar, call_object, several=several)
+        return grammar.build(f'{literal(CALLS_OPEN)} ({v11} | (" "? {array}))')

@@ -10,7 +10,8 @@ and mlx-vlm, which describe it as the GLM-4.7 tool-call format: the name follows
 ``<tool_call>`` directly, ended by a newline or the first ``<arg_key>``. A value whose schema
 type is string is kept verbatim, whitespace included (source code); any other value is
 parsed as JSON or a Python literal when it is one, typed or not, else kept as a string.
-Poolside publishes no description of its own; this follows those implementations.
+Poolside publishes no description of its own; this follows those implementations. Parallel
+calls are blocks one after another, a newline between them.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from metrale.frontend.tool_parsers.grammar import (
     checked_name,
     literal,
     one_call_of,
+    repeat_calls,
 )
 from metrale.frontend.tool_parsers.names import NameScan, scan_name
 from metrale.frontend.tool_parsers.registry import register_tool_parser
@@ -143,7 +145,7 @@ class PoolsideV1ToolParser(BlockParser):
         return PoolsideBlock(self.sink, self.options)
 
     @classmethod
-    def call_grammar(cls, tools: Sequence[ToolSpec]) -> str:
+    def call_grammar(cls, tools: Sequence[ToolSpec], *, several: bool = False) -> str:
         grammar = GrammarBuilder()
         nl = OPTIONAL_NEWLINE
 
@@ -158,4 +160,5 @@ class PoolsideV1ToolParser(BlockParser):
                 f"{parameters_grammar(grammar, tool, RULES, argument)}"
             ),
         )
-        return grammar.build(f"{literal(CALL_OPEN)} {call} {literal(CALL_CLOSE)}")
+        block = f"{literal(CALL_OPEN)} {call} {literal(CALL_CLOSE)}"
+        return grammar.build(repeat_calls(grammar, block, several=several, separator=nl))

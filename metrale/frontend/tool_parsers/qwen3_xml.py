@@ -30,7 +30,8 @@ tolerance, which the `ValueRules` carry:
 
 One ``<tool_call>`` block holds one function in the template, but the reader takes more, so a
 reply with one call ends at ``</function>``. The grammar that forces a call keeps every tag out
-of string values, which both readings then end at their ``</parameter>``.
+of string values, which both readings then end at their ``</parameter>``; several calls are
+blocks one after another, a newline between them, as the template writes them.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from metrale.frontend.tool_parsers.grammar import (
     checked_name,
     literal,
     one_call_of,
+    repeat_calls,
 )
 from metrale.frontend.tool_parsers.names import NameScan, scan_name
 from metrale.frontend.tool_parsers.registry import register_tool_parser
@@ -185,7 +187,7 @@ class Qwen3CoderToolParser(BlockParser):
         return Qwen3Block(self.sink, self.options, self.rules)
 
     @classmethod
-    def call_grammar(cls, tools: Sequence[ToolSpec]) -> str:
+    def call_grammar(cls, tools: Sequence[ToolSpec], *, several: bool = False) -> str:
         grammar = GrammarBuilder()
         nl = OPTIONAL_NEWLINE
 
@@ -199,10 +201,11 @@ class Qwen3CoderToolParser(BlockParser):
                 f"{parameters_grammar(grammar, tool, cls.rules, parameter)}"
             ),
         )
-        return grammar.build(
+        block = (
             f"{literal(CALL_OPEN)} {nl} {literal(FUNCTION_OPEN)} {call} "
             f"{literal(FUNCTION_CLOSE)} {nl} {literal(CALL_CLOSE)}"
         )
+        return grammar.build(repeat_calls(grammar, block, several=several, separator=nl))
 
 
 @register_tool_parser("qwen3_xml")
