@@ -55,6 +55,9 @@ class StructuredOutputs:
         parts = [body]
         if spec.prefix:
             parts.insert(0, xgrammar.Grammar.from_ebnf(f"root ::= {_ebnf_literal(spec.prefix)}"))
+        if spec.max_leading_newlines:
+            newlines = " ".join(['"\\n"?'] * spec.max_leading_newlines)
+            parts.insert(0, xgrammar.Grammar.from_ebnf(f"root ::= {newlines}"))
         if spec.suffix:
             parts.append(xgrammar.Grammar.from_ebnf(f"root ::= {_ebnf_literal(spec.suffix)}"))
         grammar = xgrammar.Grammar.concat(*parts) if len(parts) > 1 else body
