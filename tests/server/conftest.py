@@ -102,7 +102,14 @@ def stop_server(server: RunningServer) -> int:
 
 @pytest.fixture(scope="session")
 def server(qwen3_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
-    running = start_server(qwen3_dir, tmp_path_factory.mktemp("serve") / "server.log")
+    """The shared server schedules async, as on a GPU: the API tests then cover the engine
+    loop's one-step lag (the servers other modules start run the CPU default, sync)."""
+    running = start_server(
+        qwen3_dir,
+        tmp_path_factory.mktemp("serve") / "server.log",
+        "--scheduler-config",
+        "async",
+    )
     yield running
     code = stop_server(running)
     assert code == 0, f"met serve did not shut down cleanly ({code}):\n{running.log()}"
