@@ -20,95 +20,18 @@ from pathlib import Path
 
 import torch
 import triton
+from cuda_timing import median_seconds
 
 from metrale.kernels import paged_decode_attention as pda
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 
 
-def timed(fn, repeats: int = 20) -> float:
-    """Median seconds of `fn` (a CUDA graph is not needed: the kernels are long)."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1000)
-    return sorted(times)[len(times) // 2]
-
-
 def copy_bandwidth() -> float:
     """Bytes per second of a 2 GiB device-to-device copy, read and write counted."""
     src = torch.empty(2**30, dtype=torch.bfloat16, device="cuda")
     dst = torch.empty_like(src)
-    return 2 * src.numel() * 2 / timed(lambda: dst.copy_(src), 10)
-
-
-def split_and_reduce(
-    q,
-    k_cache,
-    v_cache,
-    block_tables,
-    seq_lens,
-    scale,
-    out,
-    part_max,
-    part_sum,
-    part_acc,
-    splits,
-    partition,
-    block_n,
-    warps,
-    stages,
-) -> None:
-    """One launch of both passes with a chosen configuration of the split kernel."""
-    batch = q.shape[0]
-    pda._paged_decode_split_kernel[(batch, NUM_KV_HEADS, splits)](
-        q,
-        k_cache,
-        v_cache,
-        block_tables,
-        seq_lens,
-        part_max,
-        part_sum,
-        part_acc,
-        scale,
-        0,
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        block_tables.stride(0),
-        splits,
-        partition,
-        NUM_HEADS=NUM_HEADS,
-        GROUP_SIZE=NUM_HEADS // NUM_KV_HEADS,
-        BLOCK_G=16,
-        HEAD_DIM=HEAD_DIM,
-        BLOCK_N=block_n,
-        BLOCK_SIZE=BLOCK_SIZE,
-        HAS_WINDOW=False,
-        DOT_PRECISION="tf32",
-        num_warps=warps,
-        num_stages=stages,
-    )
-    pda._paged_decode_reduce_kernel[(batch, NUM_HEADS)](
-        part_max,
-        part_sum,
-        part_acc,
-        out,
-        out.stride(0),
-        out.stride(1),
-        splits,
-        NUM_HEADS=NUM_HEADS,
-        BLOCK_S=triton.next_power_of_2(splits),
-        HEAD_DIM=HEAD_DIM,
-    )
+    return 2 * src.numel() * 2 / median_seconds(lambda: dst.copy_(src), 10)
 
 
 def main() -> None:
@@ -142,58 +65,42 @@ def main() -> None:
     expected = pda.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
     report(
         "metrale (default launch)",
-        timed(
+        median_seconds(
             lambda: pda.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
         ),
     )
 
     # Sweep the split kernel's launch: splits, key tile, warps, pipeline stages.
-    out = torch.empty_like(q)
-    max_context = max_blocks * BLOCK_SIZE
     for num_splits, block_n, warps, stages in itertools.product(
         (1, 2, 4), (32, 64, 128), (4, 8), (2, 3, 4)
     ):
-        partition = triton.cdiv(triton.cdiv(max_context, num_splits), block_n) * block_n
-        splits = triton.cdiv(max_context, partition)
-        part_max = torch.empty((batch, NUM_HEADS, splits), dtype=torch.float32, device="cuda")
-        part_sum = torch.empty_like(part_max)
-        part_acc = torch.empty(
-            (batch, NUM_HEADS, splits, HEAD_DIM), dtype=torch.float32, device="cuda"
-        )
-
         launch = functools.partial(
-            split_and_reduce,
+            pda.paged_decode_attention,
             q,
             k_cache,
             v_cache,
             block_tables,
             seq_lens,
             scale,
-            out,
-            part_max,
-            part_sum,
-            part_acc,
-            splits,
-            partition,
-            block_n,
-            warps,
-            stages,
+            num_splits=num_splits,
+            max_block_n=block_n,
+            num_warps=warps,
+            num_stages=stages,
         )
-
         try:
-            seconds = timed(launch, 5)
+            seconds = median_seconds(launch, 5)
         except Exception as e:  # out of shared memory for the bigger tiles
             print(f"splits={num_splits} block_n={block_n} warps={warps} stages={stages}: {e}")
             continue
-        assert torch.allclose(out, expected, atol=2e-2, rtol=2e-2)
-        report(f"splits={splits} block_n={block_n} w={warps} s={stages}", seconds)
+        assert torch.allclose(launch(), expected, atol=2e-2, rtol=2e-2)
+        report(f"splits={num_splits} block_n={block_n} w={warps} s={stages}", seconds)
 
     # The reference: torch SDPA over the same keys and values, contiguous and padded to 2000.
     keys = torch.randn(batch, NUM_KV_HEADS, 2000, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
     values = torch.randn_like(keys)
     qs = q.view(batch, NUM_HEADS, 1, HEAD_DIM)
     padded_bytes = keys.numel() * 2 * 2
-    seconds = timed(
+    seconds = median_seconds(
         lambda: torch.nn.functional.scaled_dot_product_attention(qs, keys, values, enable_gqa=True)
     )
     results["torch_sdpa_padded"] = {"ms": seconds * 1e3, "tb_per_s": padded_bytes / seconds / 1e12}

@@ -19,7 +19,7 @@ import os
 from pathlib import Path
 
 import torch
-import triton
+from cuda_timing import median_seconds
 
 from metrale.kernels import paged_prefill_attention as ppa
 
@@ -28,56 +28,6 @@ SHAPES = {  # name: (num_heads, num_kv_heads, num_seqs, prompt_len)
     "qwen3_0.6b_8x2048": (16, 8, 8, 2048),
     "llama_8b_2x8192": (32, 8, 2, 8192),
 }
-
-
-def timed(fn, repeats: int = 10) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1000)
-    return sorted(times)[len(times) // 2]
-
-
-def launch(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, cfg) -> None:
-    """One launch of the prefill kernel with a chosen (BLOCK_M, BLOCK_N, warps, stages)."""
-    block_m, block_n, warps, stages = cfg
-    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
-    max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
-    grid = (triton.cdiv(max_query_len, block_m), num_heads, seq_lens.shape[0])
-    ppa._paged_prefill_kernel[grid](
-        q,
-        k_cache,
-        v_cache,
-        out,
-        block_tables,
-        query_start_loc,
-        seq_lens,
-        HEAD_DIM**-0.5,
-        0,
-        q.stride(0),
-        q.stride(1),
-        out.stride(0),
-        out.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        block_tables.stride(0),
-        GROUP_SIZE=num_heads // num_kv_heads,
-        HEAD_DIM=HEAD_DIM,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_SIZE=BLOCK_SIZE,
-        HAS_WINDOW=False,
-        DOT_PRECISION="tf32",
-        num_warps=warps,
-        num_stages=stages,
-    )
 
 
 def main() -> None:
@@ -113,7 +63,7 @@ def main() -> None:
         )
         report(
             "metrale (default launch)",
-            timed(
+            median_seconds(
                 functools.partial(
                     ppa.paged_prefill_attention,
                     q,
@@ -127,18 +77,28 @@ def main() -> None:
                 )
             ),
         )
-        out = torch.empty_like(q)
-        for cfg in configs:
+        for block_m, block_n, warps, stages in configs:
             call = functools.partial(
-                launch, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, cfg
+                ppa.paged_prefill_attention,
+                q,
+                k_cache,
+                v_cache,
+                block_tables,
+                query_start_loc,
+                seq_lens,
+                prompt_len,
+                HEAD_DIM**-0.5,
+                tiles=(block_m, block_n),
+                num_warps=warps,
+                num_stages=stages,
             )
             try:
-                seconds = timed(call, 5)
+                seconds = median_seconds(call, 5)
             except Exception as e:  # out of shared memory or registers for the bigger tiles
-                print(f"{name} {cfg}: {type(e).__name__}")
+                print(f"{name} m{block_m} n{block_n} w{warps} s{stages}: {type(e).__name__}")
                 continue
-            torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
-            report("m{}_n{}_w{}_s{}".format(*cfg), seconds)
+            torch.testing.assert_close(call(), expected, atol=2e-2, rtol=2e-2)
+            report(f"m{block_m}_n{block_n}_w{warps}_s{stages}", seconds)
         # The reference: flash SDPA over contiguous keys, GQA expanded by torch.
         positions = torch.arange(prompt_len, device="cuda")
         keys = k_cache[block_tables[:, positions // BLOCK_SIZE], positions % BLOCK_SIZE]
@@ -147,14 +107,14 @@ def main() -> None:
         ks, vs = keys.transpose(1, 2), values.transpose(1, 2)
         report(
             "torch sdpa (contiguous)",
-            timed(
+            median_seconds(
                 lambda qs=qs, ks=ks, vs=vs: torch.nn.functional.scaled_dot_product_attention(
                     qs, ks, vs, is_causal=True, enable_gqa=True
                 )
             ),
         )
         results[name] = row
-        del k_cache, v_cache, q, out, keys, values
+        del k_cache, v_cache, q, keys, values
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "prefill_attention.json").write_text(json.dumps(results, indent=2) + "\n")
 

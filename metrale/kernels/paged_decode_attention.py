@@ -23,12 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from metrale.kernels.paged_kv import (
-    LOG2_E,
-    attend_key_tile,
-    check_paged_inputs,
-    paged_kv_offsets,
-)
+from metrale.kernels.paged_kv import LOG2_E, attend_keys, check_paged_inputs
 
 # A split this short spends more on its partial (write + reduce) than on its keys.
 _MIN_PARTITION_TOKENS = 256
@@ -96,35 +91,31 @@ def _paged_decode_split_kernel(
     m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
-    bt_row = block_tables_ptr + seq * stride_bt_seq
-    for start in range(lo, hi, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
-        n_mask = offs_n < hi
-        kv_off = paged_kv_offsets(
-            bt_row,
-            offs_n,
-            n_mask,
-            kv_head,
-            stride_cache_block,
-            stride_cache_token,
-            stride_cache_head,
-            BLOCK_SIZE,
-        )
-        m_i, l_i, acc = attend_key_tile(
-            q,
-            k_cache_ptr,
-            v_cache_ptr,
-            kv_off,
-            n_mask,
-            n_mask[None, :],
-            scale * LOG2_E,
-            m_i,
-            l_i,
-            acc,
-            HEAD_DIM,
-            DOT_PRECISION,
-            MASKED=True,
-        )
+    m_i, l_i, acc = attend_keys(
+        q,
+        tl.full([BLOCK_G], query_pos, tl.int32),
+        k_cache_ptr,
+        v_cache_ptr,
+        block_tables_ptr + seq * stride_bt_seq,
+        kv_head,
+        lo,
+        hi,
+        hi,
+        sliding_window,
+        scale * LOG2_E,
+        m_i,
+        l_i,
+        acc,
+        stride_cache_block,
+        stride_cache_token,
+        stride_cache_head,
+        HEAD_DIM,
+        BLOCK_N,
+        BLOCK_SIZE,
+        DOT_PRECISION,
+        HAS_WINDOW,
+        MASKED=True,
+    )
 
     # Partials: [num_seqs, num_heads, num_splits] and [num_seqs, num_heads, num_splits, HEAD_DIM].
     part = (seq * NUM_HEADS + heads) * num_splits + split  # [BLOCK_G]
@@ -198,6 +189,9 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     *,
     num_splits: int | None = None,
+    max_block_n: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 3,
 ) -> torch.Tensor:
     """Attention of each sequence's last token over its cached context.
 
@@ -206,6 +200,8 @@ def paged_decode_attention(
     block_tables: [num_seqs, max_blocks] int32/int64. seq_lens: [num_seqs] int32/int64; 0 gives
     a zero output row. sliding_window: keys at positions <= pos - window are masked.
     num_splits: None picks it from shapes; tests force it to cover multi-split paths.
+    max_block_n, num_warps, num_stages: launch overrides for the sweep in
+    bench/decode_attention.py.
     Returns out: [num_seqs, num_heads, head_dim], dtype of q.
     """
     num_seqs, num_heads, head_dim = q.shape
@@ -228,7 +224,8 @@ def paged_decode_attention(
     # 128-key tiles read the cache at 95% of the copy bandwidth on the H200 at B3's shapes
     # (64: 86%; bench/decode_attention.py). fp32 tiles are twice the bytes: a quarter of the
     # keys keeps the pipelined K/V buffers in shared memory.
-    max_block_n = 32 if q.dtype == torch.float32 else 128
+    if max_block_n is None:
+        max_block_n = 32 if q.dtype == torch.float32 else 128
     block_n = min(max_block_n, max(16, triton.next_power_of_2(partition_size)))
     partition_size = triton.cdiv(partition_size, block_n) * block_n
     num_splits = triton.cdiv(max_context_len, partition_size)
@@ -266,6 +263,8 @@ def paged_decode_attention(
         BLOCK_SIZE=block_size,
         HAS_WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     _paged_decode_reduce_kernel[(num_seqs, num_heads)](
         part_max,

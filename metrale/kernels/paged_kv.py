@@ -9,75 +9,79 @@ import torch
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def paged_kv_offsets(
-    block_table_row,
-    offs_n,
-    n_mask,
-    kv_head,
-    stride_cache_block,
-    stride_cache_token,
-    stride_cache_head,
-    BLOCK_SIZE: tl.constexpr,
-):
-    """Offsets in a cache of key positions `offs_n` of one kv head: [BLOCK_N], int64."""
-    block_ids = tl.load(block_table_row + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-    return (
-        block_ids * stride_cache_block
-        + (offs_n % BLOCK_SIZE) * stride_cache_token
-        + kv_head * stride_cache_head
-    )
-
-
 # Scores are kept in base 2: the softmax scale is multiplied by log2(e) once, and every
 # exponential is an exp2 (one instruction) instead of an exp.
 LOG2_E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
-def attend_key_tile(
+def attend_keys(
     q,
+    query_pos,
     k_cache_ptr,
     v_cache_ptr,
-    kv_off,
-    n_mask,
-    visible,
+    block_table_row,
+    kv_head,
+    start,
+    stop,
+    hi,
+    sliding_window,
     scale_log2,
     m_i,
     l_i,
     acc,
+    stride_cache_block,
+    stride_cache_token,
+    stride_cache_head,
     HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
     MASKED: tl.constexpr,
 ):
-    """Fold one tile of keys into the running max `m_i`, sum `l_i` and output `acc` of the
-    query rows `q` [ROWS, HEAD_DIM], in base 2 (`scale_log2` = softmax scale * log2(e)).
+    """Fold the keys at positions [start, stop) of one kv head into the running max `m_i`, sum
+    `l_i` and output `acc` of the query rows `q` [ROWS, HEAD_DIM] at positions `query_pos`
+    [ROWS], one tile of BLOCK_N keys at a time, in base 2 (`scale_log2` = scale * log2(e)).
 
-    With MASKED, `n_mask` [BLOCK_N] says which keys exist and `visible` [ROWS, BLOCK_N] what
-    each row may see; without, every key of the tile exists and every row sees it (a tile
-    wholly before the causal diagonal), and no mask is computed.
+    Keys are found through the sequence's block table, so a tile may span blocks. With MASKED,
+    a row sees the keys before `hi` up to its own position (and inside the sliding window);
+    without, every key of every tile exists and every row sees it (tiles wholly before the
+    causal diagonal), and no mask is built.
     """
     offs_d = tl.arange(0, HEAD_DIM)
-    k_ptrs = k_cache_ptr + kv_off[None, :] + offs_d[:, None]  # [HEAD_DIM, BLOCK_N]
-    v_ptrs = v_cache_ptr + kv_off[:, None] + offs_d[None, :]  # [BLOCK_N, HEAD_DIM]
-    if MASKED:  # noqa: SIM108  (a constexpr branch, as Triton compiles it)
-        k = tl.load(k_ptrs, mask=n_mask[None, :], other=0.0)
-    else:
-        k = tl.load(k_ptrs)
-    s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [ROWS, BLOCK_N]
-    if MASKED:
-        s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    if MASKED:  # noqa: SIM108
-        v = tl.load(v_ptrs, mask=n_mask[:, None], other=0.0)
-    else:
-        v = tl.load(v_ptrs)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return m_new, l_i, acc
+    for tile in range(start, stop, BLOCK_N):
+        offs_n = tile + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
+        n_mask = offs_n < hi
+        block_ids = tl.load(block_table_row + offs_n // BLOCK_SIZE, mask=n_mask, other=0)
+        kv_off = (
+            block_ids.to(tl.int64) * stride_cache_block
+            + (offs_n % BLOCK_SIZE) * stride_cache_token
+            + kv_head * stride_cache_head
+        )  # [BLOCK_N]
+        k_ptrs = k_cache_ptr + kv_off[None, :] + offs_d[:, None]  # [HEAD_DIM, BLOCK_N]
+        v_ptrs = v_cache_ptr + kv_off[:, None] + offs_d[None, :]  # [BLOCK_N, HEAD_DIM]
+        if MASKED:  # noqa: SIM108  (a constexpr branch, as Triton compiles it)
+            k = tl.load(k_ptrs, mask=n_mask[None, :], other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [ROWS, BLOCK_N]
+        if MASKED:
+            visible = (offs_n[None, :] <= query_pos[:, None]) & n_mask[None, :]
+            if HAS_WINDOW:
+                visible = visible & (offs_n[None, :] > query_pos[:, None] - sliding_window)
+            s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if MASKED:  # noqa: SIM108
+            v = tl.load(v_ptrs, mask=n_mask[:, None], other=0.0)
+        else:
+            v = tl.load(v_ptrs)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return m_i, l_i, acc
 
 
 def check_paged_inputs(

@@ -18,12 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from metrale.kernels.paged_kv import (
-    LOG2_E,
-    attend_key_tile,
-    check_paged_inputs,
-    paged_kv_offsets,
-)
+from metrale.kernels.paged_kv import LOG2_E, attend_keys, check_paged_inputs
 
 
 @triton.jit
@@ -89,72 +84,63 @@ def _paged_prefill_kernel(
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    bt_row = block_tables_ptr + seq * stride_bt_seq
-    scale_log2 = scale * LOG2_E
     # Key tiles wholly before the tile's first query are seen by every row: no mask to build.
     # The tiles from there to `hi` straddle the causal diagonal (or a sliding window's edge).
     unmasked_hi = lo
     if not HAS_WINDOW:
         unmasked_hi = (context_len + q_tile * BLOCK_M) // BLOCK_N * BLOCK_N
-    for start in range(lo, unmasked_hi, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
-        n_mask = offs_n < hi  # all true here; the unmasked tile step reads none of it
-        kv_off = paged_kv_offsets(
-            bt_row,
-            offs_n,
-            n_mask,
-            kv_head,
-            stride_cache_block,
-            stride_cache_token,
-            stride_cache_head,
-            BLOCK_SIZE,
-        )
-        m_i, l_i, acc = attend_key_tile(
-            q,
-            k_cache_ptr,
-            v_cache_ptr,
-            kv_off,
-            n_mask,
-            n_mask[None, :],
-            scale_log2,
-            m_i,
-            l_i,
-            acc,
-            HEAD_DIM,
-            DOT_PRECISION,
-            MASKED=False,
-        )
-    for start in range(unmasked_hi, hi, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
-        n_mask = offs_n < hi
-        kv_off = paged_kv_offsets(
-            bt_row,
-            offs_n,
-            n_mask,
-            kv_head,
-            stride_cache_block,
-            stride_cache_token,
-            stride_cache_head,
-            BLOCK_SIZE,
-        )
-        visible = (offs_n[None, :] <= query_pos[:, None]) & n_mask[None, :]
-        if HAS_WINDOW:
-            visible = visible & (offs_n[None, :] > query_pos[:, None] - sliding_window)
-        m_i, l_i, acc = attend_key_tile(
-            q,
-            k_cache_ptr,
-            v_cache_ptr,
-            kv_off,
-            n_mask,
-            visible,
-            scale_log2,
-            m_i,
-            l_i,
-            acc,
-            HEAD_DIM,
-            DOT_PRECISION,
-            MASKED=True,
-        )
+    bt_row = block_tables_ptr + seq * stride_bt_seq
+    scale_log2 = scale * LOG2_E
+    m_i, l_i, acc = attend_keys(
+        q,
+        query_pos,
+        k_cache_ptr,
+        v_cache_ptr,
+        bt_row,
+        kv_head,
+        lo,
+        unmasked_hi,
+        hi,
+        sliding_window,
+        scale_log2,
+        m_i,
+        l_i,
+        acc,
+        stride_cache_block,
+        stride_cache_token,
+        stride_cache_head,
+        HEAD_DIM,
+        BLOCK_N,
+        BLOCK_SIZE,
+        DOT_PRECISION,
+        HAS_WINDOW,
+        MASKED=False,
+    )
+    m_i, l_i, acc = attend_keys(
+        q,
+        query_pos,
+        k_cache_ptr,
+        v_cache_ptr,
+        bt_row,
+        kv_head,
+        unmasked_hi,
+        hi,
+        hi,
+        sliding_window,
+        scale_log2,
+        m_i,
+        l_i,
+        acc,
+        stride_cache_block,
+        stride_cache_token,
+        stride_cache_head,
+        HEAD_DIM,
+        BLOCK_N,
+        BLOCK_SIZE,
+        DOT_PRECISION,
+        HAS_WINDOW,
+        MASKED=True,
+    )
 
     # Every real row sees at least its own key, so l_i > 0; padded rows are not stored.
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -179,6 +165,10 @@ def paged_prefill_attention(
     scale: float,
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,
+    *,
+    tiles: tuple[int, int] | None = None,
+    num_warps: int = 4,
+    num_stages: int = 3,
 ) -> torch.Tensor:
     """Causal attention of each sequence's query chunk over its cached context.
 
@@ -206,6 +196,8 @@ def paged_prefill_attention(
     # fp32 ("ieee") dots run on FMA units with both operands in registers: at 64x32 tiles and
     # head_dim 128 they spill, at 32x16 they fit (ptxas, sm_90).
     max_block_m, block_n = (32, 16) if q.dtype == torch.float32 else (64, 64)
+    if tiles is not None:  # a launch override, for the sweep in bench/prefill_attention.py
+        max_block_m, block_n = tiles
     block_m = min(max_block_m, max(16, triton.next_power_of_2(max_query_len)))
     grid = (triton.cdiv(max_query_len, block_m), num_heads, num_seqs)
     _paged_prefill_kernel[grid](
@@ -233,6 +225,8 @@ def paged_prefill_attention(
         BLOCK_SIZE=block_size,
         HAS_WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     return out
 
