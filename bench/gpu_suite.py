@@ -164,17 +164,9 @@ def profile(results: dict) -> None:
 def profile_b3(results: dict) -> None:
     """B3's steps, kernel by kernel: one while prompts are prefilled (16k-token chunks beside
     the decodes), one at a 512-request decode; then the run is abandoned."""
-    core = engine(
-        LLAMA_8B,
-        max_seq_len=2048,
-        max_num_seqs=512,
-        max_prefill_tokens=16384,
-        gpu_memory_utilization=0.9,
-    )
-    g = torch.Generator().manual_seed(0)
+    core, prompts = b3_engine_and_prompts()
     params = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
-    for i in range(1000):
-        prompt = torch.randint(0, 10000, (1000,), generator=g).tolist()
+    for i, prompt in enumerate(prompts):
         core.add_request(EngineRequest(f"p{i}", prompt, params, 0.0))
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
@@ -337,8 +329,9 @@ def b2(results: dict) -> None:
         release(core)
 
 
-def b3(results: dict) -> None:
-    """Offline throughput: 1000 requests of 1000 input and 1000 output tokens, 8B shape."""
+def b3_engine_and_prompts() -> tuple[EngineCore, list[list[int]]]:
+    """B3's engine (8B shape, 512 requests at once, 16k-token prefill chunks) and its 1000
+    prompts of 1000 tokens (seed 0)."""
     core = engine(
         LLAMA_8B,
         max_seq_len=2048,
@@ -347,7 +340,12 @@ def b3(results: dict) -> None:
         gpu_memory_utilization=0.9,
     )
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 10000, (1000,), generator=g).tolist() for _ in range(1000)]
+    return core, [torch.randint(0, 10000, (1000,), generator=g).tolist() for _ in range(1000)]
+
+
+def b3(results: dict) -> None:
+    """Offline throughput: 1000 requests of 1000 input and 1000 output tokens, 8B shape."""
+    core, prompts = b3_engine_and_prompts()
     params = [SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)] * 1000
     run(core, prompts[:8], [SamplingParams(max_tokens=8)] * 8)
     seconds, tokens = run(core, prompts, params)
