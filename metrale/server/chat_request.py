@@ -136,10 +136,14 @@ def tool_call_params(
 
 def structured_output(state: ServerState, body: ChatCompletionRequest) -> StructuredOutput | None:
     """The grammar the reply must follow: a forced tool call, `structured_outputs`, or
-    `response_format`; None when it is free text. With a reasoning parser the model may think
-    first; the grammar then starts after the block and the blank line that follows it."""
+    `response_format`; None when it is free text. When the model may think first, the grammar
+    starts after the block and the blank line that follows it."""
     structured = _requested_grammar(state, body)
-    if structured is None or state.settings.reasoning_parser is None:
+    may_think = (
+        state.settings.reasoning_parser is not None
+        and template_kwargs(state, body).get("enable_thinking") is not False
+    )
+    if structured is None or not may_think:
         return structured
     return dataclasses.replace(structured, max_leading_newlines=2)
 

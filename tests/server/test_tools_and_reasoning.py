@@ -277,3 +277,18 @@ def test_no_parallel_tool_calls_stops_after_the_first_call(qwen3_dir):
         (r.sampling_params.stop, r.sampling_params.include_stop_str_in_output) for r in llm.requests
     ]
     assert stops == [(("</tool_call>",), True), ((), False), (("</tool_call>",), True)]
+
+
+def test_a_grammar_may_start_with_a_blank_line_only_when_the_model_may_think(qwen3_dir):
+    """Thinking templates write `</think>\\n\\n`: the grammar allows that blank line, but not for
+    a reply that cannot think, where it would land in the content."""
+    schema = {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "object"}}}
+    body = {"model": "m", "messages": USER, "max_tokens": 5, "response_format": schema}
+    llm, http = recording_client(qwen3_dir, reasoning_parser="qwen3")
+    for extra in ({}, {"chat_template_kwargs": {"enable_thinking": False}}):
+        assert http.post("/v1/chat/completions", json={**body, **extra}).is_success
+    llm_plain, plain = recording_client(qwen3_dir)
+    assert plain.post("/v1/chat/completions", json=body).is_success
+    leads = [r.sampling_params.structured.max_leading_newlines for r in llm.requests]
+    assert leads == [2, 0]
+    assert llm_plain.requests[0].sampling_params.structured.max_leading_newlines == 0
