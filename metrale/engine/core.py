@@ -72,13 +72,14 @@ class EngineCore:
         pool = BlockPool(config.cache.num_blocks, config.cache.enable_prefix_caching)
         scheduler = Scheduler(config.scheduler, KVCacheManager(pool, config.cache.block_size))
         logger.info(
-            "engine ready in %.2f s: %s on %s (%s), %d KV blocks of %d tokens",
+            "engine ready in %.2f s: %s on %s (%s), %d KV blocks of %d tokens, %s scheduling",
             time.perf_counter() - start,
             config.model.architecture,
             config.device,
             str(config.dtype).removeprefix("torch."),
             config.cache.num_blocks,
             config.cache.block_size,
+            "async" if config.async_scheduling else "sync",
         )
         return cls(config, runner, scheduler)
 
