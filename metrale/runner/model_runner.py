@@ -69,10 +69,10 @@ class ModelRunner:
         )
         self._generators: dict[str, torch.Generator] = {}
         self._num_samples = 0
-        # The latest step's sampled ids, on the device, and each request's row among them: the
-        # next step's pending input tokens.
+        # The latest step's sampled ids, on the device, and its sampling chunks (one per row):
+        # the next step's pending input tokens.
         self._last_samples = torch.zeros(0, dtype=torch.int64, device=device)
-        self._last_sample_rows: dict[str, int] = {}
+        self._last_sampling_chunks: list[ScheduledChunk] = []
         # Fired when a step's host-to-device copies are done and its pinned buffers free again.
         self._inputs_copied = torch.cuda.Event() if device.type == "cuda" else None
         self.structured_outputs = structured_outputs
@@ -132,7 +132,7 @@ class ModelRunner:
         self._record_inputs_copied()
         result = sample(logits.float(), metadata)
         self._last_samples = result.token_ids
-        self._last_sample_rows = {c.request_id: row for row, c in enumerate(sampling_chunks)}
+        self._last_sampling_chunks = sampling_chunks
         return self._copy_to_host(result, sampling_chunks)
 
     def _record_inputs_copied(self) -> None:
@@ -165,7 +165,9 @@ class ModelRunner:
             b.block_tables.np[i, : len(block_ids)] = block_ids
             if chunk.token_ids[-1] == PENDING_TOKEN_ID:
                 b.pending_dst.np[num_pending] = end - 1
-                b.pending_src.np[num_pending] = self._last_sample_rows[chunk.request_id]
+                if num_pending == 0:  # only async steps have any: index the last step once
+                    rows = {c.request_id: row for row, c in enumerate(self._last_sampling_chunks)}
+                b.pending_src.np[num_pending] = rows[chunk.request_id]
                 num_pending += 1
             if n == 1:  # decode: scalar writes, no temporary arrays (most rows of big batches)
                 b.input_ids.np[num_tokens] = chunk.token_ids[0]
