@@ -10,8 +10,8 @@ request's tools when tools are given. Anything else stays content, as does text 
 call.
 
 The format has no markers: nothing ends one call but the JSON itself, so no stop string can
-cut a reply after its first call (`parallel_tool_calls: false` leaves the reply as it is; the
-parser reads only the first object or array anyway). The grammar that forces a call writes the
+cut a reply after its first call (with `parallel_tool_calls: false` the chat output parser
+keeps only the first call). The grammar that forces a call writes the
 object alone; where several calls are allowed, the object or an array of one or more, the
 array being how vLLM's guided ``tool_choice="required"`` writes them.
 """

@@ -12,7 +12,8 @@ whatever follows the opener decides; a lone object instead of an array is accept
 
 The markers are special tokens in Mistral's tokenizers. No marker ends a call (the next call's
 ``[TOOL_CALLS]`` or the end of the array does), so no stop string can cut a reply after its
-first call: `parallel_tool_calls: false` leaves the reply as it is. The grammar that forces a
+first call: with `parallel_tool_calls: false` the model writes on, and the chat output parser
+keeps only the first call. The grammar that forces a
 call offers both spellings, so that the model writes the one its tokenizer version taught it;
 several calls are more elements of the array, or more ``[TOOL_CALLS]`` calls in the v11 form.
 """
