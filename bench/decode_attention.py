@@ -62,26 +62,18 @@ def main() -> None:
     results["copy_tb_per_s"] = copy_bandwidth() / 1e12
     print(f"copy bandwidth {results['copy_tb_per_s']:.2f} TB/s (read + write)")
 
-    expected = pda.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
-    report(
-        "metrale (default launch)",
-        median_seconds(
-            lambda: pda.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
-        ),
+    attention = functools.partial(
+        pda.paged_decode_attention, q, k_cache, v_cache, block_tables, seq_lens, scale
     )
+    expected = attention()
+    report("metrale (default launch)", median_seconds(attention))
 
     # Sweep the split kernel's launch: splits, key tile, warps, pipeline stages.
     for num_splits, block_n, warps, stages in itertools.product(
         (1, 2, 4), (32, 64, 128), (4, 8), (2, 3, 4)
     ):
         launch = functools.partial(
-            pda.paged_decode_attention,
-            q,
-            k_cache,
-            v_cache,
-            block_tables,
-            seq_lens,
-            scale,
+            attention,
             num_splits=num_splits,
             max_block_n=block_n,
             num_warps=warps,

@@ -58,39 +58,22 @@ def main() -> None:
                 f"{name} {label:32s} {seconds * 1e3:8.3f} ms {flops / seconds / 1e12:6.1f} TFLOP/s"
             )
 
-        expected = ppa.paged_prefill_attention(
-            q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, prompt_len, HEAD_DIM**-0.5
+        attention = functools.partial(
+            ppa.paged_prefill_attention,
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            query_start_loc,
+            seq_lens,
+            prompt_len,
+            HEAD_DIM**-0.5,
         )
-        report(
-            "metrale (default launch)",
-            median_seconds(
-                functools.partial(
-                    ppa.paged_prefill_attention,
-                    q,
-                    k_cache,
-                    v_cache,
-                    block_tables,
-                    query_start_loc,
-                    seq_lens,
-                    prompt_len,
-                    HEAD_DIM**-0.5,
-                )
-            ),
-        )
+        expected = attention()
+        report("metrale (default launch)", median_seconds(attention))
         for block_m, block_n, warps, stages in configs:
             call = functools.partial(
-                ppa.paged_prefill_attention,
-                q,
-                k_cache,
-                v_cache,
-                block_tables,
-                query_start_loc,
-                seq_lens,
-                prompt_len,
-                HEAD_DIM**-0.5,
-                tiles=(block_m, block_n),
-                num_warps=warps,
-                num_stages=stages,
+                attention, tiles=(block_m, block_n), num_warps=warps, num_stages=stages
             )
             try:
                 seconds = median_seconds(call, 5)
