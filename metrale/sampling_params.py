@@ -34,15 +34,12 @@ class StructuredOutput:
     """A grammar the output must follow, enforced token by token (after any thinking block).
 
     `kind`: `json` (`spec` a JSON schema, or None for any JSON object), `regex` or `grammar`
-    (EBNF). `prefix`/`suffix`: literal text around the structured part (a tool-call wrapper).
-    `max_leading_newlines`: newlines the output may start with, as thinking models write them
-    between `</think>` and the answer (the reasoning parser drops them).
+    (EBNF). `max_leading_newlines`: newlines the output may start with, as thinking models
+    write them between `</think>` and the answer (the reasoning parser drops them).
     """
 
     kind: str
     spec: str | None = None
-    prefix: str = ""
-    suffix: str = ""
     max_leading_newlines: int = 0
 
     KINDS = ("json", "regex", "grammar")

@@ -9,7 +9,6 @@ request ends. Requests inside a thinking block are not masked: the model thinks 
 from __future__ import annotations
 
 import functools
-import json
 import logging
 from pathlib import Path
 
@@ -52,15 +51,12 @@ class StructuredOutputs:
             body = xgrammar.Grammar.from_regex(spec.spec)
         else:
             body = xgrammar.Grammar.from_ebnf(spec.spec)
-        parts = [body]
-        if spec.prefix:
-            parts.insert(0, xgrammar.Grammar.from_ebnf(f"root ::= {_ebnf_literal(spec.prefix)}"))
+        grammar = body
         if spec.max_leading_newlines:
             newlines = " ".join(['"\\n"?'] * spec.max_leading_newlines)
-            parts.insert(0, xgrammar.Grammar.from_ebnf(f"root ::= {newlines}"))
-        if spec.suffix:
-            parts.append(xgrammar.Grammar.from_ebnf(f"root ::= {_ebnf_literal(spec.suffix)}"))
-        grammar = xgrammar.Grammar.concat(*parts) if len(parts) > 1 else body
+            grammar = xgrammar.Grammar.concat(
+                xgrammar.Grammar.from_ebnf(f"root ::= {newlines}"), body
+            )
         return self._compiler.compile_grammar(grammar)
 
     def validate(self, spec: StructuredOutput) -> None:
@@ -106,8 +102,3 @@ class StructuredOutputs:
 
     def drop(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
-
-
-def _ebnf_literal(text: str) -> str:
-    """An EBNF string literal: xgrammar reads JSON's escapes (\\n, \\", \\\\)."""
-    return json.dumps(text, ensure_ascii=False)
