@@ -46,8 +46,7 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
         self.requests[request.request_id] = request
-        params = request.sampling_params
-        if params.structured is not None or params.has_penalties or params.thinking is not None:
+        if request.is_host_decided:
             self._host_decided[request.request_id] = request
 
     def needs_pending_tokens(self) -> bool:
