@@ -5,9 +5,11 @@ copy, read + write counted) and a large bf16 matrix-vector product's read bandwi
 roofline of B1 from them; and, for B1, transformers `generate` on the same shape as the
 reference. Results go to $OUT (or bench/results) as JSON with git SHA, device and versions.
 
-    python bench/gpu_suite.py b1 b2 b5 [--scheduler-config sync|async] [--out DIR]
+    python bench/gpu_suite.py b1 b2 b5 [--scheduler-config sync|async] [--kv-cache-dtype auto|fp8]
+        [--out DIR]
 
 B1 runs under both schedulings; the others under `--scheduler-config` (default async).
+`--kv-cache-dtype fp8` stores the KV cache in fp8 (e4m3) for every engine of the run.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from metrale.engine_args import EngineArgs
 from metrale.sampling_params import SamplingParams
 
 ROOT = Path(__file__).resolve().parent
-SCHEDULING = {"scheduler_config": "async"}  # set from --scheduler-config
+# Engine flags every benchmark shares, set from the command line.
+ENGINE_FLAGS = {"scheduler_config": "async", "kv_cache_dtype": "auto"}
 
 LLAMA_8B = {
     "architectures": ["LlamaForCausalLM"],
@@ -87,7 +90,7 @@ def engine(config: dict, **kwargs) -> EngineCore:
         model_from_path=model_dir(config),
         load_format="dummy",
         dtype="bfloat16",
-        **(SCHEDULING | kwargs),
+        **(ENGINE_FLAGS | kwargs),
     )
     return EngineCore.from_config(args.create_config(), progress=False)
 
@@ -260,7 +263,8 @@ def b1(results: dict) -> None:
             )
             + cfg.hidden_size * 2
         )
-        kv_per_token = 2 * cfg.num_layers * cfg.kv_size * 2 * (128 + 256)  # mean context
+        kv_bytes = core.config.cache.dtype.itemsize
+        kv_per_token = 2 * cfg.num_layers * cfg.kv_size * kv_bytes * (128 + 256)  # mean context
         roofline = bw["read_bytes_per_s"] / (weights + kv_per_token)
         results["b1" if scheduling == "async" else "b1_sync"] = {
             "tokens_per_s": ours,
@@ -418,9 +422,10 @@ def main() -> None:
         "benchmarks", nargs="+", choices=["b1", "b2", "b3", "b5", "profile", "profile_b3"]
     )
     parser.add_argument("--scheduler-config", choices=["sync", "async"], default="async")
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ROOT / "results")))
     args = parser.parse_args()
-    SCHEDULING["scheduler_config"] = args.scheduler_config
+    ENGINE_FLAGS.update(scheduler_config=args.scheduler_config, kv_cache_dtype=args.kv_cache_dtype)
     results: dict = {
         "date": datetime.date.today().isoformat(),
         "git_sha": os.environ.get("GIT_SHA")
@@ -430,6 +435,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name(),
         "versions": {"torch": torch.__version__, "python": platform.python_version()},
         "scheduling": args.scheduler_config,
+        "kv_cache_dtype": args.kv_cache_dtype,
     }
     for name in args.benchmarks:
         try:

@@ -62,7 +62,6 @@ class EngineCore:
             config.model,
             config.cache,
             config.scheduler,
-            config.dtype,
             config.device,
             attention_backend=config.attention_backend,
             max_cuda_graph_batch=config.max_cuda_graph_batch,
@@ -73,13 +72,14 @@ class EngineCore:
         pool = BlockPool(config.cache.num_blocks, config.cache.enable_prefix_caching)
         scheduler = Scheduler(config.scheduler, KVCacheManager(pool, config.cache.block_size))
         logger.info(
-            "engine ready in %.2f s: %s on %s (%s), %d KV blocks of %d tokens, %s scheduling",
+            "engine ready in %.2f s: %s on %s (%s), %d KV blocks of %d tokens (%s), %s scheduling",
             time.perf_counter() - start,
             config.model.architecture,
             config.device,
             str(config.dtype).removeprefix("torch."),
             config.cache.num_blocks,
             config.cache.block_size,
+            str(config.cache.dtype).removeprefix("torch."),
             "async" if config.async_scheduling else "sync",
         )
         return cls(config, runner, scheduler)

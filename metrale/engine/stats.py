@@ -17,9 +17,7 @@ def kv_cache_stats(core: EngineCore) -> KVCacheStats:
         num_used_blocks=pool.num_used_blocks,
         num_cached_blocks=pool.num_cached_blocks,
         block_size=cache.block_size,
-        bytes_per_block=cache.bytes_per_block(
-            core.config.model, cache.block_size, core.config.dtype
-        ),
+        bytes_per_block=cache.bytes_per_block(core.config.model, cache.block_size, cache.dtype),
         num_prefix_queried_tokens=scheduler.kv_cache.stats.num_queried_tokens,
         num_prefix_hit_tokens=scheduler.kv_cache.stats.num_hit_tokens,
         num_running=len(scheduler.running),

@@ -4,6 +4,9 @@ A slot is `block_id * block_size + offset`: the cache viewed as [num_slots, num_
 head_dim]. A negative slot marks a padding row of a CUDA-graph batch whose key and value must
 not land anywhere, so the kernel skips it on the device instead of the host filtering rows
 (which would need the slots on the host: a sync).
+
+An fp8 cache stores the values cast as they are, saturated at the format's largest finite value
+(`to_cache_dtype`, the reference's rule).
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from metrale.layers.attention import to_cache_dtype
 
 
 @triton.jit
@@ -27,6 +32,8 @@ def _store_kv_kernel(
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    SATURATE: tl.constexpr,  # an fp8 cache: clamp to +-FP8_MAX before the cast
+    FP8_MAX: tl.constexpr,
 ):
     # One program per token: its whole [num_kv_heads, head_dim] slab of k and of v.
     token = tl.program_id(0)
@@ -46,8 +53,11 @@ def _store_kv_kernel(
         v_ptr + token * stride_v_token + offs_h[:, None] * stride_v_head + offs_d[None, :],
         mask=mask,
     )
-    tl.store(k_cache_ptr + cache_off, k, mask=mask)
-    tl.store(v_cache_ptr + cache_off, v, mask=mask)
+    if SATURATE:
+        k = tl.minimum(tl.maximum(k.to(tl.float32), -FP8_MAX), FP8_MAX)
+        v = tl.minimum(tl.maximum(v.to(tl.float32), -FP8_MAX), FP8_MAX)
+    tl.store(k_cache_ptr + cache_off, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + cache_off, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def store_kv(
@@ -61,7 +71,8 @@ def store_kv(
 
     k, v: [num_tokens, num_kv_heads, head_dim], rows may be strided (views of a fused qkv
     projection) but head_dim must be innermost and contiguous. Caches: [num_blocks, block_size,
-    num_kv_heads, head_dim], contiguous, same dtype. slot_mapping: [num_tokens] int64.
+    num_kv_heads, head_dim], contiguous, of k's dtype or an fp8 one. slot_mapping: [num_tokens]
+    int64.
     """
     num_tokens, num_kv_heads, head_dim = k.shape
     assert v.shape == k.shape, f"k {tuple(k.shape)} and v {tuple(v.shape)} differ"
@@ -70,8 +81,12 @@ def store_kv(
         f"cache {tuple(k_cache.shape)} does not hold [*, *, {num_kv_heads}, {head_dim}] tokens"
     )
     assert k_cache.is_contiguous() and v_cache.is_contiguous(), "caches must be contiguous"
-    assert k.dtype == v.dtype == k_cache.dtype == v_cache.dtype, (
+    assert k.dtype == v.dtype and k_cache.dtype == v_cache.dtype, (
         f"dtypes differ: k {k.dtype}, v {v.dtype}, caches {k_cache.dtype}/{v_cache.dtype}"
+    )
+    is_fp8 = k_cache.dtype.itemsize == 1
+    assert is_fp8 or k_cache.dtype == k.dtype, (
+        f"a {k_cache.dtype} cache cannot store {k.dtype} keys: fp8 or the same dtype"
     )
     assert k.stride(2) == 1 and v.stride(2) == 1, "head_dim must be the contiguous dimension"
     assert slot_mapping.shape == (num_tokens,) and slot_mapping.dtype == torch.int64, (
@@ -98,6 +113,8 @@ def store_kv(
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        SATURATE=is_fp8,
+        FP8_MAX=torch.finfo(k_cache.dtype).max if is_fp8 else 0.0,
     )
 
 
@@ -112,5 +129,5 @@ def store_kv_ref(
     keep = slot_mapping >= 0  # [num_tokens]
     slots = slot_mapping[keep]
     num_kv_heads, head_dim = k.shape[1:]
-    k_cache.view(-1, num_kv_heads, head_dim)[slots] = k[keep]
-    v_cache.view(-1, num_kv_heads, head_dim)[slots] = v[keep]
+    k_cache.view(-1, num_kv_heads, head_dim)[slots] = to_cache_dtype(k[keep], k_cache.dtype)
+    v_cache.view(-1, num_kv_heads, head_dim)[slots] = to_cache_dtype(v[keep], v_cache.dtype)

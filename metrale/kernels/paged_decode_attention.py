@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from metrale.kernels.paged_kv import LOG2_E, attend_keys, check_paged_inputs
+from metrale.kernels.paged_kv import LOG2_E, attend_keys, check_paged_inputs, dot_dtype
 
 # A split this short spends more on its partial (write + reduce) than on its keys.
 _MIN_PARTITION_TOKENS = 256
@@ -62,6 +62,7 @@ def _paged_decode_split_kernel(
     BLOCK_SIZE: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -78,7 +79,7 @@ def _paged_decode_split_kernel(
         q_ptr + seq * stride_q_seq + heads[:, None] * stride_q_head + offs_d[None, :],
         mask=g_mask[:, None],
         other=0.0,
-    )  # [BLOCK_G, HEAD_DIM]
+    ).to(DOT_DTYPE)  # [BLOCK_G, HEAD_DIM]
 
     # Keys [lo, hi) of this split that the query sees: causal end is seq_len itself.
     lo = split * partition_size
@@ -190,8 +191,9 @@ def paged_decode_attention(
     *,
     num_splits: int | None = None,
     max_block_n: int | None = None,
-    num_warps: int = 4,
-    num_stages: int = 3,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    dot_dtype_override: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Attention of each sequence's last token over its cached context.
 
@@ -200,7 +202,7 @@ def paged_decode_attention(
     block_tables: [num_seqs, max_blocks] int32/int64. seq_lens: [num_seqs] int32/int64; 0 gives
     a zero output row. sliding_window: keys at positions <= pos - window are masked.
     num_splits: None picks it from shapes; tests force it to cover multi-split paths.
-    max_block_n, num_warps, num_stages: launch overrides for the sweep in
+    max_block_n, num_warps, num_stages, dot_dtype_override: launch overrides for the sweep in
     bench/decode_attention.py.
     Returns out: [num_seqs, num_heads, head_dim], dtype of q.
     """
@@ -224,8 +226,14 @@ def paged_decode_attention(
     # 128-key tiles read the cache at 95% of the copy bandwidth on the H200 at B3's shapes
     # (64: 86%; bench/decode_attention.py). fp32 tiles are twice the bytes: a quarter of the
     # keys keeps the pipelined K/V buffers in shared memory.
+    # An fp8 cache: 64-key tiles, 2 warps and 2 stages (0.71 against 0.77 ms at B3's shapes).
+    # It reads half the bytes of bf16 in nearly bf16's time: widening the keys and values in
+    # registers, not reading them, bounds its loop.
+    fp8_cache = k_cache.dtype.itemsize == 1
     if max_block_n is None:
-        max_block_n = 32 if q.dtype == torch.float32 else 128
+        max_block_n = 32 if q.dtype == torch.float32 else 64 if fp8_cache else 128
+    num_warps = num_warps or (2 if fp8_cache else 4)
+    num_stages = num_stages or (2 if fp8_cache else 3)
     block_n = min(max_block_n, max(16, triton.next_power_of_2(partition_size)))
     partition_size = triton.cdiv(partition_size, block_n) * block_n
     num_splits = triton.cdiv(max_context_len, partition_size)
@@ -263,6 +271,7 @@ def paged_decode_attention(
         BLOCK_SIZE=block_size,
         HAS_WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_DTYPE=dot_dtype(q.dtype, k_cache.dtype, dot_dtype_override),
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from metrale.kernels.paged_kv import LOG2_E, attend_keys, check_paged_inputs
+from metrale.kernels.paged_kv import LOG2_E, attend_keys, check_paged_inputs, dot_dtype
 
 
 @triton.jit
@@ -47,6 +47,7 @@ def _paged_prefill_kernel(
     BLOCK_SIZE: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
 ):
     q_tile = tl.program_id(0)
     head = tl.program_id(1)
@@ -71,7 +72,7 @@ def _paged_prefill_kernel(
         + offs_d[None, :],
         mask=m_mask[:, None],
         other=0.0,
-    )  # [BLOCK_M, HEAD_DIM]
+    ).to(DOT_DTYPE)  # [BLOCK_M, HEAD_DIM]
 
     # Keys [lo, hi): up to the tile's last query (causal), from the first query's window.
     hi = context_len + tl.minimum((q_tile + 1) * BLOCK_M, q_len)
@@ -169,6 +170,7 @@ def paged_prefill_attention(
     tiles: tuple[int, int] | None = None,
     num_warps: int = 4,
     num_stages: int = 3,
+    dot_dtype_override: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's query chunk over its cached context.
 
@@ -225,6 +227,7 @@ def paged_prefill_attention(
         BLOCK_SIZE=block_size,
         HAS_WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_DTYPE=dot_dtype(q.dtype, k_cache.dtype, dot_dtype_override),
         num_warps=num_warps,
         num_stages=num_stages,
     )

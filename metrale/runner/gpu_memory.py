@@ -29,7 +29,6 @@ def kv_blocks_for_gpu(model: nn.Module, config: EngineConfig) -> int:
         config.model,
         dataclasses.replace(cache, num_blocks=probe_blocks),
         scheduler,
-        config.dtype,
         device,
         config.attention_backend,
     )
@@ -53,7 +52,7 @@ def kv_blocks_for_gpu(model: nn.Module, config: EngineConfig) -> int:
     free, total = torch.cuda.mem_get_info(device)
     used = total - free
     budget = total * cache.gpu_memory_utilization - used - activation_peak
-    per_block = CacheConfig.bytes_per_block(config.model, cache.block_size, config.dtype)
+    per_block = CacheConfig.bytes_per_block(config.model, cache.block_size, cache.dtype)
     num_blocks = int(budget // per_block)
     logger.info(
         "GPU memory: %.1f GiB total, %.1f GiB in use (weights, context), activation peak "

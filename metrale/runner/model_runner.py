@@ -49,7 +49,6 @@ class ModelRunner:
         model_config: ModelConfig,
         cache_config: CacheConfig,
         scheduler_config: SchedulerConfig,
-        dtype: torch.dtype,
         device: torch.device,
         attention_backend: str = "torch",
         max_cuda_graph_batch: int = 0,
@@ -59,7 +58,7 @@ class ModelRunner:
         self.model_config = model_config
         self.block_size = cache_config.block_size
         self.device = device
-        self.kv_caches = self._allocate_kv_cache(model, model_config, cache_config, dtype, device)
+        self.kv_caches = self._allocate_kv_cache(model, model_config, cache_config, device)
         max_blocks_per_seq = -(-scheduler_config.max_seq_len // self.block_size)
         self.buffers = InputBuffers(
             scheduler_config.max_num_batched_tokens,
@@ -89,7 +88,6 @@ class ModelRunner:
         model: nn.Module,
         config: ModelConfig,
         cache: CacheConfig,
-        dtype: torch.dtype,
         device: torch.device,
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         shape = (cache.num_blocks, cache.block_size, config.num_kv_heads, config.head_dim)
@@ -97,8 +95,8 @@ class ModelRunner:
         # uninitialized memory may hold NaN, which zero does not cancel.
         caches = []
         for layer in model.attention_layers():
-            k_cache = torch.zeros(shape, dtype=dtype, device=device)
-            v_cache = torch.zeros(shape, dtype=dtype, device=device)
+            k_cache = torch.zeros(shape, dtype=cache.dtype, device=device)
+            v_cache = torch.zeros(shape, dtype=cache.dtype, device=device)
             layer.bind_cache(k_cache, v_cache)
             caches.append((k_cache, v_cache))
         return caches

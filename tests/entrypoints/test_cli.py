@@ -5,7 +5,11 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+import torch
+
 from metrale import LLM, SamplingParams
+from metrale.engine_args import EngineArgs
 from metrale.entrypoints.cli import build_parser, main
 
 
@@ -51,3 +55,22 @@ def test_help_explains_every_flag():
         [sys.executable, "-m", "metrale", "--help"], capture_output=True, text=True, check=True
     )
     assert "generate" in result.stdout
+
+
+def test_kv_cache_dtype_flag_sizes_the_pool(qwen3_dir):
+    """--kv-cache-dtype fp8 stores a byte per value: four times the blocks of an fp32 pool in
+    the same --kv-cache-memory."""
+    parser = build_parser()
+    flags = ["serve", "--model-from-path", str(qwen3_dir), "--kv-cache-memory", "4MiB"]
+    configs = {
+        name: EngineArgs.from_cli(
+            parser.parse_args([*flags, "--dtype", "float32", "--kv-cache-dtype", name])
+        ).create_config()
+        for name in ("auto", "fp8", "fp8_e5m2")
+    }
+    assert configs["auto"].cache.dtype == torch.float32
+    assert configs["fp8"].cache.dtype == torch.float8_e4m3fn
+    assert configs["fp8_e5m2"].cache.dtype == torch.float8_e5m2
+    assert configs["fp8"].cache.num_blocks == 4 * configs["auto"].cache.num_blocks
+    with pytest.raises(ValueError, match="kv_cache_dtype='int4' is not supported"):
+        EngineArgs(model_from_path=str(qwen3_dir), kv_cache_dtype="int4").create_config()

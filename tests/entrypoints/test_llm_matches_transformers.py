@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from metrale import LLM, SamplingParams
+from metrale.layers.attention import to_cache_dtype
 from tests.conftest import build_checkpoint
 
 MAX_NEW_TOKENS = 24
@@ -32,10 +33,14 @@ class Reference:
         return float(top2[0] - top2[1])
 
 
-def hf_greedy(model_dir: Path, prompts: list[list[int]], dtype=torch.float32) -> list[Reference]:
+def hf_greedy(
+    model_dir: Path, prompts: list[list[int]], dtype=torch.float32, attn_implementation="sdpa"
+) -> list[Reference]:
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=dtype, attn_implementation=attn_implementation
+    ).eval()
     model.generation_config.eos_token_id = None
     refs = []
     for prompt in prompts:
@@ -88,14 +93,14 @@ def case(request, tmp_path_factory):
     return model_dir, prompts, hf_greedy(model_dir, prompts)
 
 
-def check(outputs, refs, what):
+def check(outputs, refs, what, logprob_tol=LOGPROB_TOL):
     for i, (out, ref) in enumerate(zip(outputs, refs, strict=True)):
         completion = out.outputs[0]
         compared = assert_greedy_match(completion.token_ids, ref, f"{what} prompt {i}")
         for step in range(compared):
             token = completion.token_ids[step]
             ours = completion.logprobs[step]
-            assert abs(ours[token].logprob - float(ref.logprobs[step][token])) < LOGPROB_TOL
+            assert abs(ours[token].logprob - float(ref.logprobs[step][token])) < logprob_tol
             ref_top = ref.logprobs[step].topk(5)
             ours_top = sorted(
                 (
@@ -108,7 +113,7 @@ def check(outputs, refs, what):
                 4
             ] - ref.logprobs[step].topk(6).values[5] < NEAR_TIE
             for (_, _, lp), ref_lp in zip(ours_top, ref_top.values.tolist(), strict=False):
-                assert abs(lp - ref_lp) < LOGPROB_TOL
+                assert abs(lp - ref_lp) < logprob_tol
 
 
 # Async scheduling feeds each decode the token sampled by the step before, on the device.
@@ -163,6 +168,46 @@ def test_shared_prefixes_hit_the_cache(case, tmp_path):
     # The 40-token shared prefix covers two whole 16-token blocks.
     assert [o.num_cached_tokens for o in rest] == [32, 32]
     assert llm.engine.scheduler.kv_cache.stats.num_hit_tokens == 64
+
+
+def sdpa_over_fp8_kv(module, query, key, value, *args, **kwargs):
+    """transformers' SDPA over keys and values rounded as an fp8 KV cache holds them."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def rounded(x):
+        return to_cache_dtype(x, torch.float8_e4m3fn).to(x.dtype)
+
+    return sdpa_attention_forward(module, query, rounded(key), rounded(value), *args, **kwargs)
+
+
+@SCHEDULING
+def test_fp8_kv_cache(case, scheduling):
+    """With --kv-cache-dtype fp8 the engine computes what transformers computes over fp8-rounded
+    keys and values: same greedy tokens, logprobs within 1e-2 (a key within float error of an
+    fp8 rounding boundary may round the other way), through chunked prefill and a full pool."""
+    from transformers import AttentionInterface
+
+    model_dir, prompts, refs = case
+    AttentionInterface.register("sdpa_over_fp8_kv", sdpa_over_fp8_kv)
+    fp8_refs = hf_greedy(model_dir, prompts, attn_implementation="sdpa_over_fp8_kv")
+    llm = LLM(
+        model_from_path=str(model_dir),
+        dtype="float32",
+        kv_cache_dtype="fp8",
+        max_prefill_tokens=7,
+        num_kv_blocks=12,
+        scheduler_config=scheduling,
+    )
+    assert llm.engine.runner.kv_caches[0][0].dtype == torch.float8_e4m3fn
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions > 0
+    check(outputs, fp8_refs, "fp8 KV cache", logprob_tol=1e-2)
+    # The rounding is real: against the unrounded reference the engine is further off.
+    first = [(out.outputs[0].logprobs[0], ref) for out, ref in zip(outputs, refs, strict=True)]
+    worst = max(
+        abs(lps[r.token_ids[0]].logprob - float(r.logprobs[0][r.token_ids[0]])) for lps, r in first
+    )
+    assert worst > 1e-2
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "mistral"])

@@ -13,9 +13,11 @@ def make_paged_cache(
     dtype: torch.dtype,
     device: torch.device,
     index_dtype: torch.dtype = torch.int64,
+    cache_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Random caches and block tables: shuffled block ids, spare blocks full of garbage, and
-    trailing table entries pointing at arbitrary (valid) blocks."""
+    """Random caches (of `cache_dtype`, default `dtype`) and block tables: shuffled block ids,
+    spare blocks full of garbage, and trailing table entries pointing at arbitrary (valid)
+    blocks."""
     blocks_per_seq = [-(-n // block_size) for n in seq_lens]
     num_blocks = sum(blocks_per_seq) + 3
     max_blocks = max(blocks_per_seq) + 2
@@ -26,6 +28,6 @@ def make_paged_cache(
         block_tables[seq, :n] = ids[start : start + n]
         start += n
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache = torch.randn(shape).to(dtype=dtype, device=device)
-    v_cache = torch.randn(shape).to(dtype=dtype, device=device)
+    k_cache = torch.randn(shape).to(dtype=cache_dtype or dtype, device=device)
+    v_cache = torch.randn(shape).to(dtype=cache_dtype or dtype, device=device)
     return k_cache, v_cache, block_tables.to(dtype=index_dtype, device=device)

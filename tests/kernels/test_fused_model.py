@@ -20,7 +20,9 @@ def test_fused_kernels_match_torch_ops(tmp_path, device, arch):
     model_config = ModelConfig.from_dir(build_checkpoint(tmp_path, arch))
     model_config = dataclasses.replace(model_config, max_position_embeddings=128)
     cls = model_class_for(model_config.architecture)
-    cache = CacheConfig(block_size=16, num_blocks=8, enable_prefix_caching=False)
+    cache = CacheConfig(
+        block_size=16, num_blocks=8, enable_prefix_caching=False, dtype=torch.float32
+    )
     scheduler = SchedulerConfig(
         max_num_seqs=4,
         max_batch_size=4,
@@ -39,9 +41,7 @@ def test_fused_kernels_match_torch_ops(tmp_path, device, arch):
                 p.data.normal_(0, 0.15)
             state = model.state_dict()
         model.load_state_dict(state)
-        runner = ModelRunner(
-            model, model_config, cache, scheduler, torch.float32, torch.device(device)
-        )
+        runner = ModelRunner(model, model_config, cache, scheduler, torch.device(device))
         params = SamplingParams(temperature=0, logprobs=3)
         chunks = [
             ScheduledChunk("a", list(range(10, 30)), 0, [0, 1], True, params),

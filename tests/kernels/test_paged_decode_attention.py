@@ -19,6 +19,7 @@ from tests.kernels.paged_cache import make_paged_cache
 
 ON_GPU = torch.cuda.is_available()
 needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device")
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
 
@@ -34,10 +35,11 @@ def run_and_compare(
     sliding_window: int | None = None,
     num_splits: int | None = None,
     index_dtype: torch.dtype = torch.int64,
+    cache_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     torch.manual_seed(len(seq_lens) * 1000 + sum(seq_lens))
     k_cache, v_cache, block_tables = make_paged_cache(
-        seq_lens, block_size, num_kv_heads, head_dim, dtype, device, index_dtype
+        seq_lens, block_size, num_kv_heads, head_dim, dtype, device, index_dtype, cache_dtype
     )
     q = torch.randn(len(seq_lens), num_heads, head_dim).to(dtype=dtype, device=device)
     lens = torch.tensor(seq_lens, dtype=index_dtype, device=device)
@@ -276,3 +278,33 @@ def test_cuda_graph_replay_with_new_lengths(device: torch.device) -> None:
         torch.testing.assert_close(
             out.float(), ref.float(), atol=1e-2 * ref.abs().max().item(), rtol=1e-2
         )
+
+
+@pytest.mark.parametrize("cache_dtype", FP8)
+@pytest.mark.parametrize("num_splits", [None, 3])
+def test_fp8_cache(device: torch.device, cache_dtype: torch.dtype, num_splits: int | None) -> None:
+    """Keys and values stored in fp8 are widened to q's dtype as they are read: the result is
+    the reference's over the same fp8 values (q in fp32 here, so nothing else rounds)."""
+    run_and_compare(
+        [1, 9, 16, 31, 44],
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=32,
+        block_size=8,
+        dtype=torch.float32,
+        device=device,
+        num_splits=num_splits,
+        cache_dtype=cache_dtype,
+    )
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_llama3_8b_shapes_bf16_fp8_cache(device: torch.device) -> None:
+    run_and_compare(
+        LLAMA_SEQ_LENS,
+        **LLAMA3_8B,
+        dtype=torch.bfloat16,
+        device=device,
+        cache_dtype=torch.float8_e4m3fn,
+    )

@@ -20,6 +20,7 @@ from tests.kernels.paged_cache import make_paged_cache
 
 ON_GPU = torch.cuda.is_available()
 needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device")
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
 # (cached positions before the chunk, chunk length): a one-token chunk, a prefill from scratch,
@@ -54,11 +55,12 @@ def run_and_compare(
     device: torch.device,
     sliding_window: int | None = None,
     index_dtype: torch.dtype = torch.int64,
+    cache_dtype: torch.dtype | None = None,
 ) -> None:
     torch.manual_seed(len(chunks) * 1000 + sum(c + n for c, n in chunks))
     seq_lens, query_start_loc, lens = flat_batch(chunks, index_dtype, device)
     k_cache, v_cache, block_tables = make_paged_cache(
-        seq_lens, block_size, num_kv_heads, head_dim, dtype, device, index_dtype
+        seq_lens, block_size, num_kv_heads, head_dim, dtype, device, index_dtype, cache_dtype
     )
     num_tokens = sum(q_len for _, q_len in chunks)
     q = torch.randn(num_tokens, num_heads, head_dim).to(dtype=dtype, device=device)
@@ -257,4 +259,32 @@ def test_llama3_8b_shapes_bf16(
 def test_llama3_8b_shapes_fp32(device: torch.device) -> None:
     run_and_compare(
         [(0, 300), (1500, 700), (4095, 1)], **LLAMA3_8B, dtype=torch.float32, device=device
+    )
+
+
+@pytest.mark.parametrize("cache_dtype", FP8)
+def test_fp8_cache(device: torch.device, cache_dtype: torch.dtype) -> None:
+    """Keys and values stored in fp8 are widened to q's dtype as they are read: the result is
+    the reference's over the same fp8 values (q in fp32 here, so nothing else rounds)."""
+    run_and_compare(
+        [(0, 20), (9, 7), (30, 1), (3, 40)],
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        block_size=8,
+        dtype=torch.float32,
+        device=device,
+        cache_dtype=cache_dtype,
+    )
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_llama3_8b_shapes_bf16_fp8_cache(device: torch.device) -> None:
+    run_and_compare(
+        [(0, 1000), (2048, 512), (3071, 1)],
+        **LLAMA3_8B,
+        dtype=torch.bfloat16,
+        device=device,
+        cache_dtype=torch.float8_e4m3fn,
     )

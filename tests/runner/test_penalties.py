@@ -235,8 +235,10 @@ def make_runner() -> ModelRunner:
         max_num_batched_tokens=64,
         max_seq_len=64,
     )
-    cache = CacheConfig(block_size=4, num_blocks=16, enable_prefix_caching=False)
-    return ModelRunner(NoLayers(), config, cache, scheduler, torch.float32, torch.device("cpu"))
+    cache = CacheConfig(
+        block_size=4, num_blocks=16, enable_prefix_caching=False, dtype=torch.float32
+    )
+    return ModelRunner(NoLayers(), config, cache, scheduler, torch.device("cpu"))
 
 
 def chunk(row: int, params: SamplingParams, history: TokenHistory | None) -> ScheduledChunk:

@@ -65,6 +65,16 @@ class Attention(nn.Module):
         return meta.attend(self, q, k, v)
 
 
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Keys or values as a cache of `dtype` stores them. fp8 saturates at its largest finite
+    value: a plain cast turns an outlier into nan (e4m3) or inf (e5m2), which would poison
+    every later attention over that key."""
+    if dtype.itemsize == 1:
+        limit = torch.finfo(dtype).max
+        x = x.clamp(-limit, limit)
+    return x.to(dtype)
+
+
 MetadataBuilder = Callable[[StepBatch], AttentionMetadata]
 
 

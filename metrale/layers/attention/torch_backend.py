@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from metrale.layers.attention import Attention, StepBatch
+from metrale.layers.attention import Attention, StepBatch, to_cache_dtype
 
 
 @dataclass(frozen=True)
@@ -91,8 +91,8 @@ class TorchAttentionMetadata:
     ) -> torch.Tensor:
         # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
         slots = (-1, layer.num_kv_heads, layer.head_dim)
-        layer.k_cache.view(slots).index_copy_(0, self.slot_mapping, k)
-        layer.v_cache.view(slots).index_copy_(0, self.slot_mapping, v)
+        _store(layer.k_cache.view(slots), self.slot_mapping, k)
+        _store(layer.v_cache.view(slots), self.slot_mapping, v)
         d = self.decode
         if d is not None and not self.prefills:  # decode only: rows already in order
             return _attend(layer, q.unsqueeze(1), d.block_ids, d.num_seqs, d.mask).squeeze(1)
@@ -106,6 +106,20 @@ class TorchAttentionMetadata:
                 layer, q[p.start : p.end].unsqueeze(0), p.block_ids, 1, p.mask
             ).squeeze(0)
         return out
+
+
+def _store(cache: torch.Tensor, slot_mapping: torch.Tensor, x: torch.Tensor) -> None:
+    x = to_cache_dtype(x, cache.dtype)
+    _bytes_if_fp8(cache).index_copy_(0, slot_mapping, _bytes_if_fp8(x))
+
+
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return _bytes_if_fp8(cache).index_select(0, block_ids).view(cache.dtype).to(dtype)
+
+
+def _bytes_if_fp8(t: torch.Tensor) -> torch.Tensor:
+    # index_copy_ and index_select have no fp8 kernels: move an fp8 cache's bytes instead.
+    return t.view(torch.uint8) if t.dtype.itemsize == 1 else t
 
 
 def _visible(
@@ -128,8 +142,8 @@ def _attend(
     # queries: [num_seqs, num_queries, num_heads, head_dim] -> the same shape
     # index_select over the flat block list: several times faster than advanced indexing.
     context = (num_seqs, -1, layer.num_kv_heads, layer.head_dim)
-    keys = layer.k_cache.index_select(0, block_ids).view(context)
-    values = layer.v_cache.index_select(0, block_ids).view(context)
+    keys = _gather(layer.k_cache, block_ids, queries.dtype).view(context)
+    values = _gather(layer.v_cache, block_ids, queries.dtype).view(context)
     return F.scaled_dot_product_attention(
         queries.transpose(1, 2),
         keys.transpose(1, 2),
