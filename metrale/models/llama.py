@@ -19,6 +19,7 @@ from metrale.config import ModelConfig
 from metrale.layers.activation import silu_and_mul
 from metrale.layers.attention import Attention, AttentionMetadata
 from metrale.layers.layernorm import RMSNorm
+from metrale.layers.linear import Linear, linear
 from metrale.layers.rotary import FusedRotary, RotaryAngles, RotaryEmbedding
 from metrale.models.registry import register_model
 
@@ -37,8 +38,10 @@ class DecoderAttention(nn.Module):
         super().__init__()
         self.q_size, self.kv_size = config.q_size, config.kv_size
         self.head_dim = config.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.qkv_proj = Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias, fused=fused
+        )
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False, fused=fused)
         eps = config.rms_norm_eps
         self.q_norm = RMSNorm(config.head_dim, eps, fused) if qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, eps, fused) if qk_norm else None
@@ -71,8 +74,12 @@ class DecoderMLP(nn.Module):
 
             self.act = fused_silu_and_mul
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(
+            config.hidden_size, 2 * config.intermediate_size, bias=False, fused=fused
+        )
+        self.down_proj = Linear(
+            config.intermediate_size, config.hidden_size, bias=False, fused=fused
+        )
 
     def shard_sizes(self, fused: str) -> list[int]:
         return [self.intermediate_size, self.intermediate_size]
@@ -132,7 +139,7 @@ class LlamaForCausalLM(nn.Module):
     """Llama 2/3 and Mistral; the base of the family.
 
     `fused_kernels`: RMSNorm, SiLU-and-mul and rotary run as Triton kernels (GPU) instead of
-    chains of torch ops.
+    chains of torch ops, and one-row matrix products as the Triton `gemv`.
     """
 
     qkv_bias_always = False
@@ -141,6 +148,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, fused_kernels: bool = False) -> None:
         super().__init__()
         self.config = config
+        self.fused_kernels = fused_kernels
         self.model = DecoderModel(
             config, qkv_bias=self.has_qkv_bias(config), qk_norm=self.qk_norm, fused=fused_kernels
         )
@@ -161,7 +169,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return hidden @ weight.t()
+        return linear(hidden, weight, None, self.fused_kernels)
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]

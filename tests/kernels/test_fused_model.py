@@ -47,8 +47,10 @@ def test_fused_kernels_match_torch_ops(tmp_path, device, arch):
             ScheduledChunk("a", list(range(10, 30)), 0, [0, 1], True, params),
             ScheduledChunk("b", list(range(40, 47)), 0, [2], True, params),
         ]
-        results.append(runner.execute(SchedulerOutput(chunks)))
-    unfused, fused = results
-    assert fused.sampled_token_ids == unfused.sampled_token_ids
-    for a, b in zip(fused.logprobs, unfused.logprobs, strict=True):
-        assert abs(a.logprob - b.logprob) < 1e-4
+        # Then one row alone: the fused model's projections and head take `gemv`.
+        decode = [ScheduledChunk("a", [77], 20, [0, 1], True, params)]
+        results.append([runner.execute(SchedulerOutput(step)) for step in (chunks, decode)])
+    for unfused, fused in zip(*results, strict=True):
+        assert fused.sampled_token_ids == unfused.sampled_token_ids
+        for a, b in zip(fused.logprobs, unfused.logprobs, strict=True):
+            assert abs(a.logprob - b.logprob) < 1e-4
