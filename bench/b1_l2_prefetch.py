@@ -1,0 +1,159 @@
+"""Experiment: spend the HBM's idle time inside a batch-1 decode step loading the next weight
+into L2.
+
+A Llama-3.1-8B-shaped decode step in plain torch ops (as ../shared/device-notes.md measured it:
+one CUDA graph of 32 layers), with and without a side stream that, while the small kernels of a
+layer run (rotary, attention, norms, activation), reads the weight of the next matrix-vector
+product with an evict-last policy, so the product finds it in L2. Reports ms per step for each
+variant and the fraction of the read roofline.
+
+    python bench/b1_l2_prefetch.py [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from cuda_timing import median_seconds
+
+H, FFN, NH, NKV, D, LAYERS, VOCAB, CONTEXT = 4096, 14336, 32, 8, 128, 32, 128256, 640
+
+
+@triton.jit
+def _prefetch_kernel(ptr, num_elements, sink_ptr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    acc = tl.zeros([BLOCK], tl.float32)
+    for start in range(pid * BLOCK, num_elements, tl.num_programs(0) * BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        x = tl.load(ptr + offs, mask=offs < num_elements, other=0.0, eviction_policy="evict_last")
+        acc += x.to(tl.float32)
+    tl.store(sink_ptr + pid, tl.sum(acc, 0))
+
+
+class Step:
+    def __init__(self, prefetch: dict[str, float], programs: int) -> None:
+        g = torch.Generator(device="cuda").manual_seed(0)
+
+        def w(*shape):
+            return torch.randn(*shape, generator=g, device="cuda", dtype=torch.bfloat16) * 0.02
+
+        self.layers = [
+            {
+                "qkv": w((NH + 2 * NKV) * D, H),
+                "o": w(H, NH * D),
+                "gate_up": w(2 * FFN, H),
+                "down": w(H, FFN),
+                "n1": torch.ones(H, device="cuda", dtype=torch.bfloat16),
+                "n2": torch.ones(H, device="cuda", dtype=torch.bfloat16),
+                "k": w(1, NKV, CONTEXT, D),
+                "v": w(1, NKV, CONTEXT, D),
+            }
+            for _ in range(LAYERS)
+        ]
+        self.head = w(VOCAB, H)
+        self.x = w(1, H)
+        self.prefetch = prefetch  # matrix name -> share of it to prefetch
+        self.programs = programs
+        self.sink = torch.empty(programs, device="cuda", dtype=torch.float32)
+        self.side = torch.cuda.Stream()
+        self.weight_bytes = (
+            sum(
+                t.numel() * 2
+                for layer in self.layers
+                for n, t in layer.items()
+                if n in ("qkv", "o", "gate_up", "down")
+            )
+            + self.head.numel() * 2
+        )
+
+    def _prefetch(self, name: str, weight: torch.Tensor) -> None:
+        share = self.prefetch.get(name, 0.0)
+        if share <= 0:
+            return
+        main = torch.cuda.current_stream()
+        self.side.wait_stream(main)
+        self.forked = True
+        with torch.cuda.stream(self.side):
+            n = int(weight.numel() * share)
+            _prefetch_kernel[(self.programs,)](weight, n, self.sink, BLOCK=8192, num_warps=8)
+
+    def __call__(self) -> torch.Tensor:
+        self.forked = False
+        x = self.x
+        for i, layer in enumerate(self.layers):
+            nxt = self.layers[(i + 1) % LAYERS]
+            h = F.rms_norm(x, (H,), layer["n1"])
+            qkv = h @ layer["qkv"].t()
+            self._prefetch("o", layer["o"])
+            q = qkv[:, : NH * D].view(1, NH, 1, D)
+            attn = F.scaled_dot_product_attention(q, layer["k"], layer["v"], enable_gqa=True)
+            x = x + attn.reshape(1, NH * D) @ layer["o"].t()
+            h = F.rms_norm(x, (H,), layer["n2"])
+            self._prefetch("gate_up", layer["gate_up"])
+            gu = h @ layer["gate_up"].t()
+            self._prefetch("down", layer["down"])
+            a = F.silu(gu[:, :FFN]) * gu[:, FFN:]
+            x = x + a @ layer["down"].t()
+            self._prefetch("qkv", nxt["qkv"])
+        out = (F.rms_norm(x, (H,)) @ self.head.t()).argmax(-1)
+        if self.forked:  # join the side stream (a capture must end on its origin stream)
+            torch.cuda.current_stream().wait_stream(self.side)
+        return out
+
+
+def graph_seconds(step: Step) -> float:
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return median_seconds(graph.replay, 50)
+
+
+def copy_bandwidth() -> float:
+    """Bytes per second of a 2 GiB device-to-device copy, read and write counted."""
+    src = torch.empty(2**31, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / median_seconds(lambda: dst.copy_(src), 10)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench/results")))
+    args = parser.parse_args()
+    copy = copy_bandwidth()
+    variants = {
+        "none": ({}, 64),
+        "o": ({"o": 1.0}, 64),
+        "o_96": ({"o": 1.0}, 96),
+        "o_32": ({"o": 1.0}, 32),
+        "o+0.1": ({"o": 1.0, "gate_up": 0.05, "down": 0.1, "qkv": 0.2}, 64),
+        "o+0.2": ({"o": 1.0, "gate_up": 0.1, "down": 0.2, "qkv": 0.4}, 64),
+        "all_small": ({"gate_up": 0.05, "down": 0.1, "qkv": 0.2}, 64),
+    }
+    results: dict = {"copy_tb_per_s": copy / 1e12, "device": torch.cuda.get_device_name()}
+    for name, (prefetch, programs) in variants.items():
+        step = Step(prefetch, programs)
+        seconds = graph_seconds(step)
+        roofline = step.weight_bytes / copy
+        results[name] = {"ms": seconds * 1e3, "fraction_of_roofline": roofline / seconds}
+        print(f"{name:10s} {seconds * 1e3:6.3f} ms  {100 * roofline / seconds:5.1f}% of roofline")
+        del step
+        torch.cuda.empty_cache()
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "b1_l2_prefetch.json").write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
