@@ -2,8 +2,8 @@
 
 Each run measures, in the same process: the device's copy bandwidth (a 4 GiB device-to-device
 copy, read + write counted) and a large bf16 matrix-vector product's read bandwidth; the
-roofline of B1 from them; and, for B1, transformers `generate` on the same shape as the
-reference. Results go to $OUT (or bench/results) as JSON with git SHA, device and versions.
+roofline of B1 from them; and transformers `generate` on the same requests as the reference
+(B3: the first 256 of them, as many as its dynamic cache holds; B5: the 0%-shared workload). Results go to $OUT (or bench/results) as JSON with git SHA, device and versions.
 
     python bench/gpu_suite.py b1 b2 b5 [--scheduler-config sync|async] [--kv-cache-dtype auto|fp8]
         [--out DIR]
@@ -230,6 +230,77 @@ def bandwidth() -> dict[str, float]:
     }
 
 
+# transformers' reference runs padded batches of at most this many requests: B3's 256 x 2,000
+# tokens of dynamic cache (64 GB) fit beside the 16 GB of weights, 1,000 requests would not.
+HF_BATCH = 256
+
+
+def hf_model(config: dict, device: str = "cuda") -> torch.nn.Module:
+    """The transformers model of a benchmark config: random bf16 weights, EOS off."""
+    import transformers
+
+    classes = {
+        "LlamaForCausalLM": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "Qwen3ForCausalLM": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    }
+    config_cls, model_cls = classes[config["architectures"][0]]
+    skip = ("architectures", "model_type", "torch_dtype")
+    hf_config = config_cls(**{k: v for k, v in config.items() if k not in skip})
+    with torch.device(device):
+        model = model_cls(hf_config).to(torch.bfloat16).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def hf_rate(model: torch.nn.Module, prompts: list[list[int]], output_lens: list[int]) -> float:
+    """transformers `generate` over the requests in left-padded batches of HF_BATCH, greedy:
+    output tokens per second, counting only the tokens each request asked for (a batch decodes
+    until its longest request is done)."""
+    seconds = 0.0
+    for start in range(0, len(prompts), HF_BATCH):
+        batch, lens = prompts[start : start + HF_BATCH], output_lens[start : start + HF_BATCH]
+        width = max(map(len, batch))
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, prompt in enumerate(batch):
+            ids[i, width - len(prompt) :] = torch.tensor(prompt)
+            mask[i, width - len(prompt) :] = 1
+        n = max(lens)
+        if model.device.type == "cuda":
+            torch.cuda.synchronize()
+        begin = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(
+                ids.to(model.device),
+                attention_mask=mask.to(model.device),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                pad_token_id=0,
+            )
+        if model.device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds += time.perf_counter() - begin
+    return sum(output_lens) / seconds
+
+
+def add_hf_reference(entry: dict, config: dict, prompts: list[list[int]], lens: list[int]) -> None:
+    """Run transformers on the same requests (after our engine is released) and record the
+    ratio. It decodes greedily where a benchmark samples: the forward passes are the cost."""
+    model = hf_model(config)
+    rate = hf_rate(model, prompts, lens)
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    entry["hf_output_tokens_per_s"] = rate
+    entry["hf_requests"] = len(prompts)
+    entry["vs_hf"] = entry["output_tokens_per_s"] / rate
+    print(
+        f"  transformers on {len(prompts)} of the requests: {rate:.0f} tok/s; ours/hf = "
+        f"{entry['vs_hf']:.1f}x"
+    )
+
+
 def b1(results: dict) -> None:
     """Batch-1 decode, Llama-3.1-8B shape, prompt 128, 512 output tokens."""
     bw = bandwidth()
@@ -279,14 +350,7 @@ def b1(results: dict) -> None:
             f"{100 * ours / roofline:.1f}%"
         )
         release(core)
-    import transformers
-
-    hf_config = transformers.LlamaConfig(
-        **{k: v for k, v in LLAMA_8B.items() if k not in ("architectures", "torch_dtype")}
-    )
-    with torch.device("cuda"):
-        hf = transformers.LlamaForCausalLM(hf_config).to(torch.bfloat16).eval()
-    hf.generation_config.eos_token_id = None
+    hf = hf_model(LLAMA_8B)
     ids = torch.tensor([prompt], device="cuda")
 
     def hf_seconds(n: int) -> float:
@@ -331,6 +395,7 @@ def b2(results: dict) -> None:
         }
         print(f"B2 {name}: {tokens / seconds:.0f} output tok/s ({tokens} in {seconds:.1f} s)")
         release(core)
+        add_hf_reference(results[f"b2_{name}"], config, prompts, lens_out)
 
 
 def b3_engine_and_prompts() -> tuple[EngineCore, list[list[int]]]:
@@ -360,6 +425,7 @@ def b3(results: dict) -> None:
     }
     print(f"B3 llama_8b: {tokens / seconds:.0f} output tok/s ({tokens} in {seconds:.1f} s)")
     release(core)
+    add_hf_reference(results["b3_llama_8b"], LLAMA_8B, prompts[:HF_BATCH], [1000] * HF_BATCH)
 
 
 def b5(results: dict) -> None:
@@ -409,6 +475,12 @@ def b5(results: dict) -> None:
             }
             print(f"B5 {key}: {seconds:.3f} s")
             release(core)
+    # The reference: transformers on a 0%-shared workload (it has no prefix cache).
+    model = hf_model(QWEN3_06B)
+    seconds = 64 * 8 / hf_rate(model, workload(0.0, seed=10), [8] * 64)
+    del model
+    results["b5_hf"] = {"seconds": seconds, "prompt_tokens_per_s": 64 * 2048 / seconds}
+    print(f"B5 transformers, 0% shared: {seconds:.3f} s")
     for shared in (0, 75):
         off = results[f"b5_shared{shared}_nocache"]["seconds"]
         on = results[f"b5_shared{shared}_cache"]["seconds"]
