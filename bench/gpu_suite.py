@@ -3,7 +3,8 @@
 Each run measures, in the same process: the device's copy bandwidth (a 4 GiB device-to-device
 copy, read + write counted) and a large bf16 matrix-vector product's read bandwidth; the
 roofline of B1 from them; and transformers `generate` on the same requests as the reference
-(B3: the first 256 of them, as many as its dynamic cache holds; B5: the 0%-shared workload). Results go to $OUT (or bench/results) as JSON with git SHA, device and versions.
+(B3: the first 256 of them, as many as its dynamic cache holds; B5: the 0%-shared workload).
+Results go to $OUT (or bench/results) as JSON with git SHA, device and versions.
 
     python bench/gpu_suite.py b1 b2 b5 [--scheduler-config sync|async] [--kv-cache-dtype auto|fp8]
         [--out DIR]
