@@ -145,7 +145,14 @@ async def _serve(args: argparse.Namespace) -> int:
             ),
         )
     with phase("select kernels"):
-        logger.info("attention backend: torch (scaled_dot_product_attention over paged KV)")
+        if config.attention_backend == "triton":
+            graphs = config.max_cuda_graph_batch
+            logger.info(
+                "attention backend: triton (paged kernels); %s",
+                f"CUDA graphs up to batch {graphs}" if graphs else "eager, no CUDA graphs",
+            )
+        else:
+            logger.info("attention backend: torch (scaled_dot_product_attention over paged KV)")
     with phase("backend"):
         logger.info("device %s, dtype %s", config.device, str(config.dtype).removeprefix("torch."))
     with phase("communication backend"):
@@ -170,9 +177,10 @@ async def _serve(args: argparse.Namespace) -> int:
             llm.start()
             assert client.kv_cache is not None
             logger.info(
-                "KV pool: %d blocks of %d tokens; max_seq_len %d, max_num_seqs %d",
+                "KV pool: %d blocks of %d tokens (%s); max_seq_len %d, max_num_seqs %d",
                 client.kv_cache.num_blocks,
                 config.cache.block_size,
+                str(config.cache.dtype).removeprefix("torch."),
                 config.scheduler.max_seq_len,
                 config.scheduler.max_num_seqs,
             )
