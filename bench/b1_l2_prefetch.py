@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from cuda_timing import median_seconds
+from cuda_timing import copy_bandwidth, graph_seconds
 
 H, FFN, NH, NKV, D, LAYERS, VOCAB, CONTEXT = 4096, 14336, 32, 8, 128, 32, 128256, 640
 
@@ -106,26 +106,6 @@ class Step:
         if self.forked:  # join the side stream (a capture must end on its origin stream)
             torch.cuda.current_stream().wait_stream(self.side)
         return out
-
-
-def graph_seconds(step: Step) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return median_seconds(graph.replay, 50)
-
-
-def copy_bandwidth() -> float:
-    """Bytes per second of a 2 GiB device-to-device copy, read and write counted."""
-    src = torch.empty(2**31, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    return 2 * src.numel() / median_seconds(lambda: dst.copy_(src), 10)
 
 
 def main() -> None:

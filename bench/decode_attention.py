@@ -20,18 +20,11 @@ from pathlib import Path
 
 import torch
 import triton
-from cuda_timing import median_seconds
+from cuda_timing import copy_bandwidth, median_seconds
 
 from metrale.kernels import paged_decode_attention as pda
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
-
-
-def copy_bandwidth() -> float:
-    """Bytes per second of a 2 GiB device-to-device copy, read and write counted."""
-    src = torch.empty(2**30, dtype=torch.bfloat16, device="cuda")
-    dst = torch.empty_like(src)
-    return 2 * src.numel() * 2 / median_seconds(lambda: dst.copy_(src), 10)
 
 
 def main() -> None:

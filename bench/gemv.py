@@ -14,11 +14,10 @@ import argparse
 import itertools
 import json
 import os
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from cuda_timing import median_seconds
+from cuda_timing import copy_bandwidth, graph_seconds
 
 from metrale.kernels.gemv import gemv
 
@@ -30,25 +29,6 @@ SHAPES = {  # name -> (N, K) of W
     "lm_head": (128256, 4096),
 }
 REPEATS = 8  # distinct weights per graph, so L2 holds none of them between replays
-
-
-def copy_bandwidth() -> float:
-    src = torch.empty(2**31, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    return 2 * src.numel() / median_seconds(lambda: dst.copy_(src), 10)
-
-
-def graph_seconds(fn: Callable[[], object]) -> float:
-    """Seconds of one call, from a CUDA graph of the calls `fn` makes."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return median_seconds(graph.replay, 20)
 
 
 def main() -> None:

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import torch
+from hf_reference import left_padded
 
 from metrale.engine.core import EngineCore
 from metrale.engine.messages import EngineRequest
@@ -260,12 +261,7 @@ def hf_rate(model: torch.nn.Module, prompts: list[list[int]], output_lens: list[
     seconds = 0.0
     for start in range(0, len(prompts), HF_BATCH):
         batch, lens = prompts[start : start + HF_BATCH], output_lens[start : start + HF_BATCH]
-        width = max(map(len, batch))
-        ids = torch.zeros(len(batch), width, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, prompt in enumerate(batch):
-            ids[i, width - len(prompt) :] = torch.tensor(prompt)
-            mask[i, width - len(prompt) :] = 1
+        ids, mask = left_padded(batch)
         n = max(lens)
         if model.device.type == "cuda":
             torch.cuda.synchronize()

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from hf_reference import left_padded
 
 from metrale import LLM, SamplingParams
 
@@ -97,12 +98,7 @@ class HF:
             self.generate_one(prompt, n)
 
     def generate_padded(self, prompts: list[list[int]], output_lens: list[int]) -> None:
-        width = max(map(len, prompts))
-        ids = torch.zeros(len(prompts), width, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, p in enumerate(prompts):
-            ids[i, width - len(p) :] = torch.tensor(p)
-            mask[i, width - len(p) :] = 1
+        ids, mask = left_padded(prompts)
         n = max(output_lens)
         self.model.generate(
             ids,
