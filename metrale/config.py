@@ -44,6 +44,10 @@ _KV_CACHE_DTYPES = {
 KV_CACHE_DTYPE_NAMES = ("auto", *_KV_CACHE_DTYPES)
 
 
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
 def parse_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     """The KV pool's element type: `auto` stores keys and values in the model's dtype."""
     if name == "auto":

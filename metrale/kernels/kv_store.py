@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from metrale.config import is_fp8
 from metrale.layers.attention import to_cache_dtype
 
 
@@ -84,8 +85,8 @@ def store_kv(
     assert k.dtype == v.dtype and k_cache.dtype == v_cache.dtype, (
         f"dtypes differ: k {k.dtype}, v {v.dtype}, caches {k_cache.dtype}/{v_cache.dtype}"
     )
-    is_fp8 = k_cache.dtype.itemsize == 1
-    assert is_fp8 or k_cache.dtype == k.dtype, (
+    saturate = is_fp8(k_cache.dtype)
+    assert saturate or k_cache.dtype == k.dtype, (
         f"a {k_cache.dtype} cache cannot store {k.dtype} keys: fp8 or the same dtype"
     )
     assert k.stride(2) == 1 and v.stride(2) == 1, "head_dim must be the contiguous dimension"
@@ -113,8 +114,8 @@ def store_kv(
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
-        SATURATE=is_fp8,
-        FP8_MAX=torch.finfo(k_cache.dtype).max if is_fp8 else 0.0,
+        SATURATE=saturate,
+        FP8_MAX=torch.finfo(k_cache.dtype).max if saturate else 0.0,
     )
 
 

@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from metrale.config import is_fp8
 from metrale.kernels.paged_kv import LOG2_E, attend_keys, check_paged_inputs, dot_dtype
 
 # A split this short spends more on its partial (write + reduce) than on its keys.
@@ -229,7 +230,7 @@ def paged_decode_attention(
     # An fp8 cache: 64-key tiles, 2 warps and 2 stages (0.71 against 0.77 ms at B3's shapes).
     # It reads half the bytes of bf16 in nearly bf16's time: widening the keys and values in
     # registers, not reading them, bounds its loop.
-    fp8_cache = k_cache.dtype.itemsize == 1
+    fp8_cache = is_fp8(k_cache.dtype)
     if max_block_n is None:
         max_block_n = 32 if q.dtype == torch.float32 else 64 if fp8_cache else 128
     num_warps = num_warps or (2 if fp8_cache else 4)

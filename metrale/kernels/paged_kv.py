@@ -9,11 +9,11 @@ import torch
 import triton
 import triton.language as tl
 
+from metrale.config import is_fp8
+
 # Scores are kept in base 2: the softmax scale is multiplied by log2(e) once, and every
 # exponential is an exp2 (one instruction) instead of an exp.
 LOG2_E = tl.constexpr(1.4426950408889634)
-# Cache formats the key loop widens to the dot dtype as it loads them.
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
@@ -22,8 +22,7 @@ def dot_dtype(q_dtype: torch.dtype, cache_dtype: torch.dtype, override: torch.dt
     q's own, except that 16-bit queries over an fp8 cache compute in fp16, to which fp8 widens
     faster than to bf16 (bench/decode_attention.py: 0.76 against 0.84 ms at B3's shapes)."""
     if override is None:
-        is_fp8 = cache_dtype in FP8_DTYPES
-        override = torch.float16 if is_fp8 and q_dtype != torch.float32 else q_dtype
+        override = torch.float16 if is_fp8(cache_dtype) and q_dtype != torch.float32 else q_dtype
     return _TL_DTYPES[override]
 
 
@@ -117,7 +116,7 @@ def check_paged_inputs(
         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
     )
     assert k_cache.is_contiguous() and v_cache.is_contiguous(), "caches must be contiguous"
-    assert k_cache.dtype == v_cache.dtype and k_cache.dtype in (q.dtype, *FP8_DTYPES), (
+    assert k_cache.dtype == v_cache.dtype and (k_cache.dtype == q.dtype or is_fp8(k_cache.dtype)), (
         f"caches {k_cache.dtype}/{v_cache.dtype} must hold q's dtype {q.dtype} or fp8"
     )
     assert q.dtype in (torch.float16, torch.bfloat16, torch.float32), f"unsupported {q.dtype}"

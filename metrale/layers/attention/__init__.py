@@ -20,6 +20,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from metrale.config import is_fp8
+
 
 @dataclass(frozen=True)
 class StepBatch:
@@ -69,7 +71,7 @@ def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Keys or values as a cache of `dtype` stores them. fp8 saturates at its largest finite
     value: a plain cast turns an outlier into nan (e4m3) or inf (e5m2), which would poison
     every later attention over that key."""
-    if dtype.itemsize == 1:
+    if is_fp8(dtype):
         limit = torch.finfo(dtype).max
         x = x.clamp(-limit, limit)
     return x.to(dtype)

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from metrale.config import is_fp8
 from metrale.layers.attention import Attention, StepBatch, to_cache_dtype
 
 
@@ -119,7 +120,7 @@ def _gather(cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype) ->
 
 def _bytes_if_fp8(t: torch.Tensor) -> torch.Tensor:
     # index_copy_ and index_select have no fp8 kernels: move an fp8 cache's bytes instead.
-    return t.view(torch.uint8) if t.dtype.itemsize == 1 else t
+    return t.view(torch.uint8) if is_fp8(t.dtype) else t
 
 
 def _visible(
