@@ -57,6 +57,7 @@ def run_and_compare(
     return out
 
 
+@pytest.mark.parametrize("cache_dtype", [None, *FP8])
 @pytest.mark.parametrize("num_splits", [None, 3])
 @pytest.mark.parametrize("sliding_window", [None, 6])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (8, 2)])
@@ -66,7 +67,10 @@ def test_matches_reference(
     num_kv_heads: int,
     sliding_window: int | None,
     num_splits: int | None,
+    cache_dtype: torch.dtype | None,
 ) -> None:
+    """Also over fp8 caches, whose keys and values are widened as they are read: the result is
+    the reference's over the same fp8 values (q in fp32, so nothing else rounds)."""
     run_and_compare(
         [1, 9, 16, 31, 44],
         num_heads=num_heads,
@@ -77,6 +81,7 @@ def test_matches_reference(
         device=device,
         sliding_window=sliding_window,
         num_splits=num_splits,
+        cache_dtype=cache_dtype,
     )
 
 
@@ -225,11 +230,19 @@ LLAMA_SEQ_LENS = [1, 15, 16, 17, 500, 1023, 2048, 4096, 3000, 0, 777, 4095]
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize("cache_dtype", [None, torch.float8_e4m3fn])
 @pytest.mark.parametrize("sliding_window", [None, 1000])
 @pytest.mark.parametrize("seq_lens", [LLAMA_SEQ_LENS, [4096], [37] * 64])
-def test_llama3_8b_shapes_bf16(device: torch.device, seq_lens: list[int], sliding_window) -> None:
+def test_llama3_8b_shapes_bf16(
+    device: torch.device, seq_lens: list[int], sliding_window, cache_dtype
+) -> None:
     run_and_compare(
-        seq_lens, **LLAMA3_8B, dtype=torch.bfloat16, device=device, sliding_window=sliding_window
+        seq_lens,
+        **LLAMA3_8B,
+        dtype=torch.bfloat16,
+        device=device,
+        sliding_window=sliding_window,
+        cache_dtype=cache_dtype,
     )
 
 
@@ -278,33 +291,3 @@ def test_cuda_graph_replay_with_new_lengths(device: torch.device) -> None:
         torch.testing.assert_close(
             out.float(), ref.float(), atol=1e-2 * ref.abs().max().item(), rtol=1e-2
         )
-
-
-@pytest.mark.parametrize("cache_dtype", FP8)
-@pytest.mark.parametrize("num_splits", [None, 3])
-def test_fp8_cache(device: torch.device, cache_dtype: torch.dtype, num_splits: int | None) -> None:
-    """Keys and values stored in fp8 are widened to q's dtype as they are read: the result is
-    the reference's over the same fp8 values (q in fp32 here, so nothing else rounds)."""
-    run_and_compare(
-        [1, 9, 16, 31, 44],
-        num_heads=8,
-        num_kv_heads=2,
-        head_dim=32,
-        block_size=8,
-        dtype=torch.float32,
-        device=device,
-        num_splits=num_splits,
-        cache_dtype=cache_dtype,
-    )
-
-
-@pytest.mark.gpu
-@needs_gpu
-def test_llama3_8b_shapes_bf16_fp8_cache(device: torch.device) -> None:
-    run_and_compare(
-        LLAMA_SEQ_LENS,
-        **LLAMA3_8B,
-        dtype=torch.bfloat16,
-        device=device,
-        cache_dtype=torch.float8_e4m3fn,
-    )

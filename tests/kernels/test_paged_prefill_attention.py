@@ -89,11 +89,18 @@ def run_and_compare(
     )
 
 
+@pytest.mark.parametrize("cache_dtype", [None, *FP8])
 @pytest.mark.parametrize("sliding_window", [None, 6])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (8, 2)])
 def test_matches_reference(
-    device: torch.device, num_heads: int, num_kv_heads: int, sliding_window: int | None
+    device: torch.device,
+    num_heads: int,
+    num_kv_heads: int,
+    sliding_window: int | None,
+    cache_dtype: torch.dtype | None,
 ) -> None:
+    """Also over fp8 caches, whose keys and values are widened as they are read: the result is
+    the reference's over the same fp8 values (q in fp32, so nothing else rounds)."""
     run_and_compare(
         CHUNKS,
         num_heads=num_heads,
@@ -103,6 +110,7 @@ def test_matches_reference(
         dtype=torch.float32,
         device=device,
         sliding_window=sliding_window,
+        cache_dtype=cache_dtype,
     )
 
 
@@ -246,11 +254,20 @@ LLAMA3_8B = dict(num_heads=32, num_kv_heads=8, head_dim=128, block_size=16)
         [(0, 1), (0, 1000), (2048, 512), (4000, 96), (3071, 1), (16, 2000), (0, 17)],
     ],
 )
+@pytest.mark.parametrize("cache_dtype", [None, torch.float8_e4m3fn])
 def test_llama3_8b_shapes_bf16(
-    device: torch.device, chunks: list[tuple[int, int]], sliding_window: int | None
+    device: torch.device,
+    chunks: list[tuple[int, int]],
+    sliding_window: int | None,
+    cache_dtype: torch.dtype | None,
 ) -> None:
     run_and_compare(
-        chunks, **LLAMA3_8B, dtype=torch.bfloat16, device=device, sliding_window=sliding_window
+        chunks,
+        **LLAMA3_8B,
+        dtype=torch.bfloat16,
+        device=device,
+        sliding_window=sliding_window,
+        cache_dtype=cache_dtype,
     )
 
 
@@ -259,32 +276,4 @@ def test_llama3_8b_shapes_bf16(
 def test_llama3_8b_shapes_fp32(device: torch.device) -> None:
     run_and_compare(
         [(0, 300), (1500, 700), (4095, 1)], **LLAMA3_8B, dtype=torch.float32, device=device
-    )
-
-
-@pytest.mark.parametrize("cache_dtype", FP8)
-def test_fp8_cache(device: torch.device, cache_dtype: torch.dtype) -> None:
-    """Keys and values stored in fp8 are widened to q's dtype as they are read: the result is
-    the reference's over the same fp8 values (q in fp32 here, so nothing else rounds)."""
-    run_and_compare(
-        [(0, 20), (9, 7), (30, 1), (3, 40)],
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        block_size=8,
-        dtype=torch.float32,
-        device=device,
-        cache_dtype=cache_dtype,
-    )
-
-
-@pytest.mark.gpu
-@needs_gpu
-def test_llama3_8b_shapes_bf16_fp8_cache(device: torch.device) -> None:
-    run_and_compare(
-        [(0, 1000), (2048, 512), (3071, 1)],
-        **LLAMA3_8B,
-        dtype=torch.bfloat16,
-        device=device,
-        cache_dtype=torch.float8_e4m3fn,
     )
