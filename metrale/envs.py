@@ -12,3 +12,9 @@ def cache_dir() -> Path:
         return Path(path)
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     return base / "metrale"
+
+
+def pdl() -> bool:
+    """Whether Triton kernels may use programmatic dependent launch on GPUs that have it
+    (`metrale.kernels.pdl`): METRALE_PDL=0 turns it off."""
+    return os.environ.get("METRALE_PDL", "1") != "0"

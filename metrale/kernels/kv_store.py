@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from metrale.config import is_fp8
+from metrale.kernels.pdl import pdl_enabled, wait_for_previous_kernel
 from metrale.layers.attention import to_cache_dtype
 
 
@@ -35,7 +36,9 @@ def _store_kv_kernel(
     BLOCK_H: tl.constexpr,
     SATURATE: tl.constexpr,  # an fp8 cache: clamp to +-FP8_MAX before the cast
     FP8_MAX: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     # One program per token: its whole [num_kv_heads, head_dim] slab of k and of v.
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -101,6 +104,7 @@ def store_kv(
     assert k.device == k_cache.device == slot_mapping.device, "tensors on different devices"
     if num_tokens == 0:
         return
+    pdl = pdl_enabled(k.device)
     _store_kv_kernel[(num_tokens,)](
         k,
         v,
@@ -116,6 +120,8 @@ def store_kv(
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         SATURATE=saturate,
         FP8_MAX=torch.finfo(k_cache.dtype).max if saturate else 0.0,
+        PDL=pdl,
+        launch_pdl=pdl,
     )
 
 

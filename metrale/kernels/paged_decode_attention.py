@@ -25,6 +25,7 @@ import triton.language as tl
 
 from metrale.config import is_fp8
 from metrale.kernels.paged_kv import LOG2_E, attend_keys, check_paged_inputs, dot_dtype
+from metrale.kernels.pdl import pdl_enabled, wait_for_previous_kernel
 
 # A split this short spends more on its partial (write + reduce) than on its keys.
 _MIN_PARTITION_TOKENS = 256
@@ -64,7 +65,9 @@ def _paged_decode_split_kernel(
     HAS_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -138,7 +141,9 @@ def _paged_decode_reduce_kernel(
     NUM_HEADS: tl.constexpr,
     BLOCK_S: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -239,6 +244,7 @@ def paged_decode_attention(
     partition_size = triton.cdiv(partition_size, block_n) * block_n
     num_splits = triton.cdiv(max_context_len, partition_size)
     group_size = num_heads // num_kv_heads
+    pdl = pdl_enabled(q.device)
 
     part_max = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
     part_sum = torch.empty_like(part_max)
@@ -273,8 +279,10 @@ def paged_decode_attention(
         HAS_WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_DTYPE=dot_dtype(q.dtype, k_cache.dtype, dot_dtype_override),
+        PDL=pdl,
         num_warps=num_warps,
         num_stages=num_stages,
+        launch_pdl=pdl,
     )
     _paged_decode_reduce_kernel[(num_seqs, num_heads)](
         part_max,
@@ -287,6 +295,8 @@ def paged_decode_attention(
         NUM_HEADS=num_heads,
         BLOCK_S=triton.next_power_of_2(num_splits),
         HEAD_DIM=head_dim,
+        PDL=pdl,
+        launch_pdl=pdl,
     )
     return out
 

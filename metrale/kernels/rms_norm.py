@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from metrale.kernels.pdl import pdl_enabled, wait_for_previous_kernel
+
 # A row lives in one program's registers; past this, a two-pass (or split-row) kernel would
 # be needed. The largest Llama-family hidden size (405B) is 16,384.
 MAX_HIDDEN = 65536
@@ -48,7 +50,9 @@ def _rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     # One program per row; int64 so that row * stride cannot overflow on huge batches.
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -137,6 +141,7 @@ def rms_norm(
     # Without a residual the pointers are never dereferenced (HAS_RESIDUAL is a constexpr).
     res_in = x if residual is None else residual
     res_out = out if residual_out is None else residual_out
+    pdl = pdl_enabled(x.device)
     _rms_norm_kernel[(num_tokens,)](
         x,
         res_in,
@@ -151,6 +156,8 @@ def rms_norm(
         eps,
         HAS_RESIDUAL=residual is not None,
         BLOCK=block,
+        PDL=pdl,
         num_warps=_num_warps(block),
+        launch_pdl=pdl,
     )
     return out, x if residual_out is None else residual_out

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from metrale.kernels.pdl import pdl_enabled, wait_for_previous_kernel
+
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
@@ -94,7 +96,9 @@ def _rotary_kernel(
     BLOCK_Q_HEADS: tl.constexpr,
     BLOCK_KV_HEADS: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     # Axis 0: the token; axis 1: 0 rotates its q heads, 1 its k heads. Two programs per token
     # give a small decode batch twice the parallelism of one, at the cost of a second (cached)
     # read of the token's cos/sin row.
@@ -214,6 +218,7 @@ def apply_rotary(
     half = head_dim // 2
     block_half = triton.next_power_of_2(half)
     block_q_heads = triton.next_power_of_2(num_q_heads)
+    pdl = pdl_enabled(q.device)
     _rotary_kernel[(num_tokens, 2)](
         q,
         k,
@@ -237,6 +242,8 @@ def apply_rotary(
         BLOCK_Q_HEADS=block_q_heads,
         BLOCK_KV_HEADS=triton.next_power_of_2(num_kv_heads),
         BLOCK_HALF=block_half,
+        PDL=pdl,
         num_warps=8 if block_q_heads * block_half >= 4096 else 4,
+        launch_pdl=pdl,
     )
     return q_out, k_out

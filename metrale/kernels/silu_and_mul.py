@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from metrale.kernels.pdl import pdl_enabled, wait_for_previous_kernel
+
 # Columns per program: large enough to amortise the program, small enough that a decode step
 # with a single token still spreads an intermediate size of ~14k over a dozen or more programs.
 BLOCK = 1024
@@ -29,7 +31,9 @@ def _silu_and_mul_kernel(
     out_row_stride,
     intermediate,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < intermediate
@@ -66,6 +70,7 @@ def silu_and_mul(gate_up: torch.Tensor, *, out: torch.Tensor | None = None) -> t
     if num_tokens == 0 or intermediate == 0:
         return out
     grid = (num_tokens, triton.cdiv(intermediate, BLOCK))
+    pdl = pdl_enabled(gate_up.device)
     _silu_and_mul_kernel[grid](
         gate_up,
         out,
@@ -73,6 +78,8 @@ def silu_and_mul(gate_up: torch.Tensor, *, out: torch.Tensor | None = None) -> t
         out.stride(0),
         intermediate,
         BLOCK=BLOCK,
+        PDL=pdl,
         num_warps=4,
+        launch_pdl=pdl,
     )
     return out

@@ -19,7 +19,7 @@ from metrale.config import ModelConfig
 from metrale.layers.activation import silu_and_mul
 from metrale.layers.attention import Attention, AttentionMetadata
 from metrale.layers.layernorm import RMSNorm
-from metrale.layers.linear import Linear, linear
+from metrale.layers.linear import Linear, linear, silu_and_mul_linear
 from metrale.layers.rotary import FusedRotary, RotaryAngles, RotaryEmbedding
 from metrale.models.registry import register_model
 
@@ -85,7 +85,8 @@ class DecoderMLP(nn.Module):
         return [self.intermediate_size, self.intermediate_size]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        down = self.down_proj
+        return silu_and_mul_linear(self.gate_up_proj(x), down.weight, down.fused, self.act)
 
 
 class DecoderLayer(nn.Module):

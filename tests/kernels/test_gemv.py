@@ -1,4 +1,5 @@
-"""`gemv` against its fp32 reference: ragged edges, bias, strided rows, launch variants."""
+"""`gemv` against its fp32 reference: ragged edges, bias, strided rows, launch variants, the
+SiLU-and-mul input."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import pytest
 import torch
 
 from metrale.kernels.gemv import gemv, gemv_ref
+from metrale.kernels.silu_and_mul import silu_and_mul
 
 ON_GPU = torch.cuda.is_available()
 
@@ -28,6 +30,22 @@ def test_rows_of_a_wider_matrix(device) -> None:
     w = wide[:, 8:72]
     x = torch.randn(1, 64, device=device)
     torch.testing.assert_close(gemv(x, w), gemv_ref(x, w), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k", [(16, 64), (21, 300)])
+def test_silu_and_mul_input_is_the_activation_kernel_then_the_product(device, dtype, n, k) -> None:
+    """Bit for bit what `silu_and_mul` then `gemv` give: the same rounding of the activation."""
+    torch.manual_seed(k)
+    gate_up = (torch.randn(1, 2 * k, device=device) * 3).to(dtype)
+    w = torch.randn(n, k, device=device).to(dtype)
+    fused = gemv(gate_up, w, silu_and_mul=True, block_k=32)
+    assert torch.equal(fused, gemv(silu_and_mul(gate_up), w, block_k=32))
+    # bf16: torch's SiLU rounds a few activations one ulp apart, and outputs reach ~30 (ulp 0.125).
+    tolerance = {"atol": 0.25, "rtol": 0.02} if dtype == torch.bfloat16 else {}
+    torch.testing.assert_close(fused, gemv_ref(gate_up, w, silu_and_mul=True), **tolerance)
+    with pytest.raises(AssertionError, match=r"x must be \[1, "):
+        gemv(gate_up[:, :k], w, silu_and_mul=True)
 
 
 @pytest.mark.gpu
