@@ -11,7 +11,7 @@ from __future__ import annotations
 import array
 from dataclasses import dataclass
 
-from metrale.engine.block_pool import BlockHash, BlockPool, KVCacheBlock, hash_block, root_hash
+from metrale.engine.block_pool import BlockHash, BlockPool, KVCacheBlock, hash_blocks, root_hash
 from metrale.engine.request import Request
 
 _NO_BLOCKS = array.array("q")
@@ -121,8 +121,8 @@ class KVCacheManager:
         hashes = self._hashes.setdefault(request.request_id, [])
         tokens = request.all_token_ids
         bs = self.block_size
-        while (len(hashes) + 1) * bs <= len(tokens):
-            start = len(hashes) * bs
+        start, end = len(hashes) * bs, len(tokens) // bs * bs
+        if end > start:
             parent = hashes[-1] if hashes else root_hash()
-            hashes.append(hash_block(parent, tokens[start : start + bs]))
+            hashes.extend(hash_blocks(parent, tokens[start:end], bs))
         return hashes

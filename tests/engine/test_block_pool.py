@@ -1,6 +1,6 @@
 import pytest
 
-from metrale.engine.block_pool import BlockPool, hash_block, root_hash
+from metrale.engine.block_pool import BlockPool, hash_block, hash_blocks, root_hash
 
 
 def test_allocate_and_release_round_trip():
@@ -60,3 +60,11 @@ def test_prefix_caching_off_publishes_nothing():
     (block,) = pool.allocate(1)
     pool.cache(block, b"h")
     assert pool.lookup(b"h") is None
+
+
+def test_hash_blocks_chains_hash_block_over_the_full_blocks():
+    tokens = list(range(100, 111))  # two full blocks of 4 and 3 tokens left over
+    first = hash_block(root_hash(), tokens[:4])
+    assert hash_blocks(root_hash(), tokens, 4) == [first, hash_block(first, tokens[4:8])]
+    assert hash_blocks(first, tokens[4:8], 4) == [hash_block(first, tokens[4:8])]
+    assert hash_blocks(root_hash(), tokens[:3], 4) == []
