@@ -203,6 +203,69 @@ def profile_b3(results: dict) -> None:
     release(core)
 
 
+def profile_b5(results: dict) -> None:
+    """B5's prefill-bound steps (Qwen3-0.6B, 64 x 2048-token prompts, 0% shared, cache off) at
+    two prefill budgets: the whole run's time, and one profiled step's wall time against its
+    kernel time (the host's share), with the host's top functions."""
+    import cProfile
+    import io
+    import pstats
+
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    out_dir = Path(os.environ.get("OUT", ROOT / "results"))
+    params = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)] * 64
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 10000, (2048,), generator=g).tolist() for _ in range(3 * 64)]
+    for budget in (2048, 8192):
+        core = engine(
+            QWEN3_06B,
+            max_seq_len=4096,
+            max_num_seqs=64,
+            enable_prefix_caching=False,
+            max_prefill_tokens=budget,
+            gpu_memory_utilization=0.5,
+        )
+        run(core, prompts[:64], params)
+        seconds = sorted(run(core, prompts[64:128], params)[0] for _ in range(3))[1]
+        for i, prompt in enumerate(prompts[128:]):
+            core.add_request(EngineRequest(f"p{budget}-{i}", prompt, params[0], 0.0))
+        core.step()
+        torch.cuda.synchronize()
+        host = cProfile.Profile()
+        start = time.perf_counter()
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            host.enable()
+            for _ in range(3):
+                core.step()
+            torch.cuda.synchronize()
+            host.disable()
+        step_ms = (time.perf_counter() - start) / 3 * 1000
+        events = prof.key_averages()
+        kernel_ms = sum(e.self_device_time_total for e in events) / 1000 / 3
+        text = io.StringIO()
+        pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(25)
+        table = events.table(sort_by="self_cuda_time_total", row_limit=20)
+        (out_dir / f"profile_b5_prefill{budget}.txt").write_text(
+            f"B5 prefill step, budget {budget} tokens: {step_ms:.2f} ms wall (profiled), "
+            f"{kernel_ms:.2f} ms of kernels; whole 0%-shared run {seconds:.3f} s\n\n"
+            f"{table}\n\n{text.getvalue()}"
+        )
+        results[f"profile_b5_prefill{budget}"] = {
+            "ms_per_step": step_ms,
+            "kernel_ms_per_step": kernel_ms,
+            "run_seconds": seconds,
+        }
+        print(
+            f"B5 budget {budget}: run {seconds:.3f} s; "
+            f"step {step_ms:.2f} ms, kernels {kernel_ms:.2f} ms"
+        )
+        while core.has_unfinished_requests():
+            core.step()
+        release(core)
+
+
 def bandwidth() -> dict[str, float]:
     src = torch.empty(2**31, dtype=torch.bfloat16, device="cuda").normal_()  # 4 GiB
     dst = torch.empty_like(src)
@@ -495,7 +558,9 @@ def b5(results: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "benchmarks", nargs="+", choices=["b1", "b2", "b3", "b5", "profile", "profile_b3"]
+        "benchmarks",
+        nargs="+",
+        choices=["b1", "b2", "b3", "b5", "profile", "profile_b3", "profile_b5"],
     )
     parser.add_argument("--scheduler-config", choices=["sync", "async"], default="async")
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
