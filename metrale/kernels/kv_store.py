@@ -21,6 +21,14 @@ from metrale.layers.attention import to_cache_dtype
 
 
 @triton.jit
+def to_cache_value(x, cache_ptr, SATURATE: tl.constexpr, FP8_MAX: tl.constexpr):
+    """x as a cache of cache_ptr's dtype stores it: an fp8 cache clamps to +-FP8_MAX first."""
+    if SATURATE:
+        x = tl.minimum(tl.maximum(x.to(tl.float32), -FP8_MAX), FP8_MAX)
+    return x.to(cache_ptr.dtype.element_ty)
+
+
+@triton.jit
 def _store_kv_kernel(
     k_ptr,
     v_ptr,
@@ -57,27 +65,19 @@ def _store_kv_kernel(
         v_ptr + token * stride_v_token + offs_h[:, None] * stride_v_head + offs_d[None, :],
         mask=mask,
     )
-    if SATURATE:
-        k = tl.minimum(tl.maximum(k.to(tl.float32), -FP8_MAX), FP8_MAX)
-        v = tl.minimum(tl.maximum(v.to(tl.float32), -FP8_MAX), FP8_MAX)
-    tl.store(k_cache_ptr + cache_off, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + cache_off, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(k_cache_ptr + cache_off, to_cache_value(k, k_cache_ptr, SATURATE, FP8_MAX), mask=mask)
+    tl.store(v_cache_ptr + cache_off, to_cache_value(v, v_cache_ptr, SATURATE, FP8_MAX), mask=mask)
 
 
-def store_kv(
+def check_store_inputs(
     k: torch.Tensor,
     v: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
-) -> None:
-    """Copy token t's k and v to slot `slot_mapping[t]` of the caches; skip negative slots.
-
-    k, v: [num_tokens, num_kv_heads, head_dim], rows may be strided (views of a fused qkv
-    projection) but head_dim must be innermost and contiguous. Caches: [num_blocks, block_size,
-    num_kv_heads, head_dim], contiguous, of k's dtype or an fp8 one. slot_mapping: [num_tokens]
-    int64.
-    """
+) -> bool:
+    """The shapes, dtypes and layouts `store_kv` documents; whether the cache is fp8 (stores
+    saturate)."""
     num_tokens, num_kv_heads, head_dim = k.shape
     assert v.shape == k.shape, f"k {tuple(k.shape)} and v {tuple(v.shape)} differ"
     assert k_cache.shape == v_cache.shape, "k_cache and v_cache shapes differ"
@@ -102,6 +102,25 @@ def store_kv(
         f"head_dim {head_dim} must be a power of two >= 16"
     )
     assert k.device == k_cache.device == slot_mapping.device, "tensors on different devices"
+    return saturate
+
+
+def store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Copy token t's k and v to slot `slot_mapping[t]` of the caches; skip negative slots.
+
+    k, v: [num_tokens, num_kv_heads, head_dim], rows may be strided (views of a fused qkv
+    projection) but head_dim must be innermost and contiguous. Caches: [num_blocks, block_size,
+    num_kv_heads, head_dim], contiguous, of k's dtype or an fp8 one. slot_mapping: [num_tokens]
+    int64.
+    """
+    saturate = check_store_inputs(k, v, k_cache, v_cache, slot_mapping)
+    num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
     pdl = pdl_enabled(k.device)

@@ -40,7 +40,55 @@ def apply_rotary_ref(
 
 
 @triton.jit
-def _rotate_heads(
+def cos_sin_halves(
+    cos_ptr, sin_ptr, positions_ptr, token, cache_row_stride, half, BLOCK_HALF: tl.constexpr
+):
+    """The token's cos and sin rows as halves [1, BLOCK_HALF]: (cos1, cos2, sin1, sin2)."""
+    dims = tl.arange(0, BLOCK_HALF)[None, :]  # [1, BLOCK_HALF]
+    dim_mask = dims < half
+    position = tl.load(positions_ptr + token)
+    cos_row = cos_ptr + position * cache_row_stride + dims
+    sin_row = sin_ptr + position * cache_row_stride + dims
+    # Both halves are read rather than assuming the cache is cat(freqs, freqs): the result then
+    # matches `apply_rotary_ref` for any cache, at the cost of head_dim more fp32 loads a token.
+    cos1 = tl.load(cos_row, mask=dim_mask, other=0.0)
+    cos2 = tl.load(cos_row + half, mask=dim_mask, other=0.0)
+    sin1 = tl.load(sin_row, mask=dim_mask, other=0.0)
+    sin2 = tl.load(sin_row + half, mask=dim_mask, other=0.0)
+    return cos1, cos2, sin1, sin2
+
+
+@triton.jit
+def rotated_halves(
+    x_ptr,
+    x_token_stride,
+    x_head_stride,
+    token,
+    num_heads,
+    cos1,
+    cos2,
+    sin1,
+    sin2,
+    half,
+    BLOCK_HEADS: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    """A token's heads rotated, rounded to x's dtype as `apply_rotary_ref` rounds them: the
+    halves [BLOCK_HEADS, BLOCK_HALF] of each head, their head and dim offsets, and the mask."""
+    heads = tl.arange(0, BLOCK_HEADS)[:, None]  # [BLOCK_HEADS, 1]
+    dims = tl.arange(0, BLOCK_HALF)[None, :]  # [1, BLOCK_HALF]
+    mask = (heads < num_heads) & (dims < half)
+    x1_ptrs = x_ptr + token * x_token_stride + heads * x_head_stride + dims
+    x1 = tl.load(x1_ptrs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x1_ptrs + half, mask=mask, other=0.0).to(tl.float32)
+    # x * cos + rotate_half(x) * sin, where rotate_half(x) = cat(-x2, x1).
+    out1 = (x1 * cos1 - x2 * sin1).to(x_ptr.dtype.element_ty)
+    out2 = (x2 * cos2 + x1 * sin2).to(x_ptr.dtype.element_ty)
+    return out1, out2, heads, dims, mask
+
+
+@triton.jit
+def rotate_heads(
     x_ptr,
     out_ptr,
     x_token_stride,
@@ -57,15 +105,20 @@ def _rotate_heads(
     BLOCK_HEADS: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
 ):
-    heads = tl.arange(0, BLOCK_HEADS)[:, None]  # [BLOCK_HEADS, 1]
-    dims = tl.arange(0, BLOCK_HALF)[None, :]  # [1, BLOCK_HALF]
-    mask = (heads < num_heads) & (dims < half)
-    x1_ptrs = x_ptr + token * x_token_stride + heads * x_head_stride + dims
-    x1 = tl.load(x1_ptrs, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x1_ptrs + half, mask=mask, other=0.0).to(tl.float32)
-    # x * cos + rotate_half(x) * sin, where rotate_half(x) = cat(-x2, x1).
-    out1 = x1 * cos1 - x2 * sin1
-    out2 = x2 * cos2 + x1 * sin2
+    out1, out2, heads, dims, mask = rotated_halves(
+        x_ptr,
+        x_token_stride,
+        x_head_stride,
+        token,
+        num_heads,
+        cos1,
+        cos2,
+        sin1,
+        sin2,
+        half,
+        BLOCK_HEADS,
+        BLOCK_HALF,
+    )
     # Both halves of every head were loaded above, so out_ptr may alias x_ptr.
     out1_ptrs = out_ptr + token * out_token_stride + heads * out_head_stride + dims
     tl.store(out1_ptrs, out1.to(out_ptr.dtype.element_ty), mask=mask)
@@ -103,19 +156,11 @@ def _rotary_kernel(
     # give a small decode batch twice the parallelism of one, at the cost of a second (cached)
     # read of the token's cos/sin row.
     token = tl.program_id(0).to(tl.int64)
-    dims = tl.arange(0, BLOCK_HALF)[None, :]  # [1, BLOCK_HALF]
-    dim_mask = dims < half
-    position = tl.load(positions_ptr + token)
-    cos_row = cos_ptr + position * cache_row_stride + dims
-    sin_row = sin_ptr + position * cache_row_stride + dims
-    # Both halves are read rather than assuming the cache is cat(freqs, freqs): the result then
-    # matches `apply_rotary_ref` for any cache, at the cost of head_dim more fp32 loads a token.
-    cos1 = tl.load(cos_row, mask=dim_mask, other=0.0)
-    cos2 = tl.load(cos_row + half, mask=dim_mask, other=0.0)
-    sin1 = tl.load(sin_row, mask=dim_mask, other=0.0)
-    sin2 = tl.load(sin_row + half, mask=dim_mask, other=0.0)
+    cos1, cos2, sin1, sin2 = cos_sin_halves(
+        cos_ptr, sin_ptr, positions_ptr, token, cache_row_stride, half, BLOCK_HALF
+    )
     if tl.program_id(1) == 0:
-        _rotate_heads(
+        rotate_heads(
             q_ptr,
             q_out_ptr,
             q_token_stride,
@@ -133,7 +178,7 @@ def _rotary_kernel(
             BLOCK_HALF,
         )
     else:
-        _rotate_heads(
+        rotate_heads(
             k_ptr,
             k_out_ptr,
             k_token_stride,
@@ -160,6 +205,38 @@ def _check_heads(name: str, t: torch.Tensor, shape: tuple[int, ...], like: torch
     assert t.stride(-1) == 1, f"{name} needs a contiguous head_dim; got strides {t.stride()}"
 
 
+def check_rotary_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    positions: torch.Tensor,
+) -> None:
+    """The shapes, dtypes and layouts `apply_rotary` documents."""
+    assert q.dim() == 3 and k.dim() == 3, (
+        f"q and k must be [num_tokens, num_heads, head_dim]; got {tuple(q.shape)}, {tuple(k.shape)}"
+    )
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    assert q.dtype in (torch.float32, torch.float16, torch.bfloat16), f"q is {q.dtype}"
+    assert head_dim % 2 == 0, f"head_dim {head_dim} is odd; rotate-half needs two halves"
+    _check_heads("q", q, (num_tokens, num_q_heads, head_dim), q)
+    _check_heads("k", k, (num_tokens, num_kv_heads, head_dim), q)
+    for name, cache in (("cos_cache", cos_cache), ("sin_cache", sin_cache)):
+        assert cache.dim() == 2 and cache.shape[1] == head_dim, (
+            f"{name} must be [max_positions, {head_dim}]; got {tuple(cache.shape)}"
+        )
+        assert cache.dtype == torch.float32, f"{name} is {cache.dtype}; keep it in fp32"
+        assert cache.is_contiguous(), f"{name} must be contiguous; got strides {cache.stride()}"
+        assert cache.device == q.device, f"{name} is on {cache.device}; expected {q.device}"
+    assert cos_cache.shape == sin_cache.shape, "cos_cache and sin_cache differ in shape"
+    assert positions.shape == (num_tokens,), (
+        f"positions is {tuple(positions.shape)}; expected ({num_tokens},)"
+    )
+    assert positions.dtype == torch.int64, f"positions is {positions.dtype}; expected int64"
+    assert positions.device == q.device, f"positions is on {positions.device}; expected {q.device}"
+
+
 def apply_rotary(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -184,28 +261,9 @@ def apply_rotary(
 
     Graph-capturable: no host sync, a grid that depends only on shapes.
     """
-    assert q.dim() == 3 and k.dim() == 3, (
-        f"q and k must be [num_tokens, num_heads, head_dim]; got {tuple(q.shape)}, {tuple(k.shape)}"
-    )
+    check_rotary_inputs(q, k, cos_cache, sin_cache, positions)
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
-    assert q.dtype in (torch.float32, torch.float16, torch.bfloat16), f"q is {q.dtype}"
-    assert head_dim % 2 == 0, f"head_dim {head_dim} is odd; rotate-half needs two halves"
-    _check_heads("q", q, (num_tokens, num_q_heads, head_dim), q)
-    _check_heads("k", k, (num_tokens, num_kv_heads, head_dim), q)
-    for name, cache in (("cos_cache", cos_cache), ("sin_cache", sin_cache)):
-        assert cache.dim() == 2 and cache.shape[1] == head_dim, (
-            f"{name} must be [max_positions, {head_dim}]; got {tuple(cache.shape)}"
-        )
-        assert cache.dtype == torch.float32, f"{name} is {cache.dtype}; keep it in fp32"
-        assert cache.is_contiguous(), f"{name} must be contiguous; got strides {cache.stride()}"
-        assert cache.device == q.device, f"{name} is on {cache.device}; expected {q.device}"
-    assert cos_cache.shape == sin_cache.shape, "cos_cache and sin_cache differ in shape"
-    assert positions.shape == (num_tokens,), (
-        f"positions is {tuple(positions.shape)}; expected ({num_tokens},)"
-    )
-    assert positions.dtype == torch.int64, f"positions is {positions.dtype}; expected int64"
-    assert positions.device == q.device, f"positions is on {positions.device}; expected {q.device}"
     if q_out is None:
         q_out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if k_out is None:

@@ -93,3 +93,20 @@ class FusedRotary:
         from metrale.kernels.rotary import apply_rotary
 
         return apply_rotary(q, k, self.cos_cache, self.sin_cache, self.positions, q_out=q, k_out=k)
+
+    def rotate_and_store(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """Rotate q in place and write k rotated and v to their cache slots (k stays as it is):
+        one kernel where `rotate_qk` and `store_kv` are two."""
+        from metrale.kernels.rotary_kv_store import rotary_kv_store
+
+        rotary_kv_store(
+            q, k, v, self.cos_cache, self.sin_cache, self.positions, k_cache, v_cache, slot_mapping
+        )

@@ -60,8 +60,7 @@ class DecoderAttention(nn.Module):
         v = v.view(num_tokens, -1, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm.norm(q), self.k_norm.norm(k)
-        q, k = rope.rotate_qk(q, k)
-        out = self.attn(q, k, v, meta)  # [num_tokens, num_heads, head_dim]
+        out = self.attn(q, k, v, meta, rope)  # [num_tokens, num_heads, head_dim]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 

@@ -33,7 +33,9 @@ def test_fused_kernels_match_torch_ops(tmp_path, device, arch):
     torch.manual_seed(0)
     state = None
     results = []
-    for fused in (False, True):
+    # The unfused model, then the fused one over the torch backend's attention and over the
+    # triton backend's (paged kernels; rotary fused with the KV store).
+    for fused, backend in ((False, "torch"), (True, "torch"), (True, "triton")):
         with torch.device(device):
             model = cls(model_config, fused_kernels=fused).eval()
         if state is None:
@@ -41,7 +43,9 @@ def test_fused_kernels_match_torch_ops(tmp_path, device, arch):
                 p.data.normal_(0, 0.15)
             state = model.state_dict()
         model.load_state_dict(state)
-        runner = ModelRunner(model, model_config, cache, scheduler, torch.device(device))
+        runner = ModelRunner(
+            model, model_config, cache, scheduler, torch.device(device), attention_backend=backend
+        )
         params = SamplingParams(temperature=0, logprobs=3)
         chunks = [
             ScheduledChunk("a", list(range(10, 30)), 0, [0, 1], True, params),
@@ -50,7 +54,9 @@ def test_fused_kernels_match_torch_ops(tmp_path, device, arch):
         # Then one row alone: the fused model's projections and head take `gemv`.
         decode = [ScheduledChunk("a", [77], 20, [0, 1], True, params)]
         results.append([runner.execute(SchedulerOutput(step)) for step in (chunks, decode)])
-    for unfused, fused in zip(*results, strict=True):
-        assert fused.sampled_token_ids == unfused.sampled_token_ids
-        for a, b in zip(fused.logprobs, unfused.logprobs, strict=True):
-            assert abs(a.logprob - b.logprob) < 1e-4
+    unfused_steps = results[0]
+    for fused_steps in results[1:]:
+        for unfused, fused in zip(unfused_steps, fused_steps, strict=True):
+            assert fused.sampled_token_ids == unfused.sampled_token_ids
+            for a, b in zip(fused.logprobs, unfused.logprobs, strict=True):
+                assert abs(a.logprob - b.logprob) < 1e-4

@@ -2,9 +2,10 @@
 
 The runner describes each step once (`StepBatch`), and the chosen backend turns it into its
 own metadata, which the model hands down to every layer as an argument. The metadata knows how
-to attend (`meta.attend(layer, q, k, v)`): each layer first writes the step's keys and values
-into their cache slots, then attends over the cache, so prefix-cache hits, chunked prefill and
-decode are one code path.
+to attend (`meta.attend(layer, q, k, v, rope)`): each layer rotates q and k to their positions,
+writes the step's keys and values into their cache slots, then attends over the cache, so
+prefix-cache hits, chunked prefill and decode are one code path. The rotation is the backend's
+so that the `triton` one can rotate k straight into the cache, in the launch that stores it.
 
 Backends: `torch` (scaled_dot_product_attention over gathered blocks; runs anywhere, the
 reference) and `triton` (paged kernels; GPUs).
@@ -38,9 +39,15 @@ class StepBatch:
     sliding_window: int | None
 
 
+class Rotary(Protocol):
+    """Rotates q and k to the step's positions (`metrale.layers.rotary`)."""
+
+    def rotate_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
 class AttentionMetadata(Protocol):
     def attend(
-        self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rotary
     ) -> torch.Tensor: ...
 
 
@@ -61,10 +68,16 @@ class Attention(nn.Module):
         self.k_cache, self.v_cache = k_cache, v_cache
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: AttentionMetadata,
+        rope: Rotary,
     ) -> torch.Tensor:
-        # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
-        return meta.attend(self, q, k, v)
+        """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]; q
+        and k not yet rotated. Returns [num_tokens, num_heads, head_dim]."""
+        return meta.attend(self, q, k, v, rope)
 
 
 def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from metrale.config import is_fp8
-from metrale.layers.attention import Attention, StepBatch, to_cache_dtype
+from metrale.layers.attention import Attention, Rotary, StepBatch, to_cache_dtype
 
 
 @dataclass(frozen=True)
@@ -88,9 +88,10 @@ class TorchAttentionMetadata:
         return cls(slot_mapping, decode, prefills)
 
     def attend(
-        self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rotary
     ) -> torch.Tensor:
         # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
+        q, k = rope.rotate_qk(q, k)
         slots = (-1, layer.num_kv_heads, layer.head_dim)
         _store(layer.k_cache.view(slots), self.slot_mapping, k)
         _store(layer.v_cache.view(slots), self.slot_mapping, v)

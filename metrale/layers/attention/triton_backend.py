@@ -13,7 +13,8 @@ import torch
 from metrale.kernels.kv_store import store_kv
 from metrale.kernels.paged_decode_attention import paged_decode_attention
 from metrale.kernels.paged_prefill_attention import paged_prefill_attention
-from metrale.layers.attention import Attention, StepBatch
+from metrale.layers.attention import Attention, Rotary, StepBatch
+from metrale.layers.rotary import FusedRotary
 
 
 @dataclass(frozen=True)
@@ -37,10 +38,14 @@ class TritonAttentionMetadata:
         )
 
     def attend(
-        self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rotary
     ) -> torch.Tensor:
         # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
-        store_kv(k, v, layer.k_cache, layer.v_cache, self.slot_mapping)
+        if isinstance(rope, FusedRotary):  # one launch: q rotated in place, k into the cache
+            rope.rotate_and_store(q, k, v, layer.k_cache, layer.v_cache, self.slot_mapping)
+        else:
+            q, k = rope.rotate_qk(q, k)
+            store_kv(k, v, layer.k_cache, layer.v_cache, self.slot_mapping)
         if self.max_query_len == 1:  # decode only: one row per sequence, in order
             return paged_decode_attention(
                 q,
