@@ -34,6 +34,13 @@ def _load_x(x_ptr, cols, col_mask, K, SILU_AND_MUL: tl.constexpr):
 
 
 @triton.jit
+def _load_w(w_rows, cols, row_mask, col_mask):
+    # evict_first: W is read once per step; L2 is better kept for the activations.
+    mask = row_mask[:, None] & col_mask[None, :]
+    return tl.load(w_rows + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr,
     w_ptr,
@@ -55,13 +62,7 @@ def _gemv_kernel(
     # while the previous kernel finishes.
     cols = tl.arange(0, BLOCK_K)
     col_mask = cols < K
-    # evict_first: W is read once per step; L2 is better kept for the activations.
-    w = tl.load(
-        w_rows + cols[None, :],
-        mask=row_mask[:, None] & col_mask[None, :],
-        other=0.0,
-        eviction_policy="evict_first",
-    )
+    w = _load_w(w_rows, cols, row_mask, col_mask)
     wait_for_previous_kernel(PDL)
     x = _load_x(x_ptr, cols, col_mask, K, SILU_AND_MUL)
     acc = w.to(tl.float32) * x[None, :].to(tl.float32)
@@ -69,12 +70,7 @@ def _gemv_kernel(
         cols = k0 + tl.arange(0, BLOCK_K)
         col_mask = cols < K
         x = _load_x(x_ptr, cols, col_mask, K, SILU_AND_MUL)
-        w = tl.load(
-            w_rows + cols[None, :],
-            mask=row_mask[:, None] & col_mask[None, :],
-            other=0.0,
-            eviction_policy="evict_first",
-        )
+        w = _load_w(w_rows, cols, row_mask, col_mask)
         acc += w.to(tl.float32) * x[None, :].to(tl.float32)
     y = tl.sum(acc, 1)
     if HAS_BIAS:
