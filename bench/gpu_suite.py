@@ -7,7 +7,7 @@ roofline of B1 from them; and transformers `generate` on the same requests as th
 Results go to $OUT (or bench/results) as JSON with git SHA, device and versions.
 
     python bench/gpu_suite.py b1 b2 b5 [--scheduler-config sync|async] [--kv-cache-dtype auto|fp8]
-        [--b2-models qwen3_0.6b llama_8b] [--out DIR]
+        [--b2-models qwen3_0.6b llama_8b] [--max-cuda-graph-batch N] [--out DIR]
 
 B1 runs under both schedulings; the others under `--scheduler-config` (default async).
 `--kv-cache-dtype fp8` stores the KV cache in fp8 (e4m3) for every engine of the run.
@@ -564,10 +564,13 @@ def main() -> None:
     )
     parser.add_argument("--scheduler-config", choices=["sync", "async"], default="async")
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
+    parser.add_argument("--max-cuda-graph-batch", type=int, help="default: the engine's")
     parser.add_argument("--b2-models", nargs="+", choices=list(B2_MODELS), default=list(B2_MODELS))
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ROOT / "results")))
     args = parser.parse_args()
     ENGINE_FLAGS.update(scheduler_config=args.scheduler_config, kv_cache_dtype=args.kv_cache_dtype)
+    if args.max_cuda_graph_batch is not None:
+        ENGINE_FLAGS["max_cuda_graph_batch"] = args.max_cuda_graph_batch
     results: dict = {
         "date": datetime.date.today().isoformat(),
         "git_sha": os.environ.get("GIT_SHA")
@@ -578,6 +581,7 @@ def main() -> None:
         "versions": {"torch": torch.__version__, "python": platform.python_version()},
         "scheduling": args.scheduler_config,
         "kv_cache_dtype": args.kv_cache_dtype,
+        "engine_flags": ENGINE_FLAGS,
     }
     args.out.mkdir(parents=True, exist_ok=True)
     out = args.out / f"gpu_suite-{results['date']}.json"
