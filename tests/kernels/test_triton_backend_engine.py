@@ -1,0 +1,42 @@
+"""The GPU code path (triton attention backend, fused kernels, `gemv` decode steps) run on CPU in
+Triton's interpreter gives the torch backend's tokens, through chunked prefill and preemption:
+CI has no GPU. Slow, so few tokens; on a GPU machine tests/gpu/test_engine_on_gpu.py runs the
+same comparison on the device (with graphs, fp8 and bf16)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from metrale import LLM, SamplingParams
+from tests.conftest import build_checkpoint
+
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="on a GPU machine tests/gpu runs this path on the device"
+)
+PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_triton_backend_gives_the_torch_backends_tokens(tmp_path, arch) -> None:
+    model_dir = build_checkpoint(tmp_path, arch)
+    g = torch.Generator().manual_seed(3)
+    batch = [torch.randint(10, 4000, (n,), generator=g).tolist() for n in (5, 17, 40, 33, 64, 1)]
+    reference = LLM(model_from_path=str(model_dir), dtype="float32", device="cpu")
+    expected = reference.generate(batch, PARAMS, use_tqdm=False)
+    llm = LLM(
+        model_from_path=str(model_dir),
+        dtype="float32",
+        device="cpu",
+        attention_backend="triton",
+        enforce_eager=True,
+        max_prefill_tokens=24,  # prompts in chunks
+        num_kv_blocks=12,  # too few for all six: some are preempted and recomputed
+    )
+    outputs = llm.generate(batch, PARAMS, use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions > 0
+    for ours, ref in zip(outputs, expected, strict=True):
+        a, b = ours.outputs[0], ref.outputs[0]
+        assert a.token_ids == b.token_ids
+        for step, token in enumerate(a.token_ids):
+            assert abs(a.logprobs[step][token].logprob - b.logprobs[step][token].logprob) < 1e-4
