@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from metrale.kernels.grid import cdiv
 from metrale.kernels.pdl import pdl_enabled, wait_for_previous_kernel
 from metrale.kernels.silu_and_mul import silu_and_mul_ref
 
@@ -88,7 +89,7 @@ _BLOCK_N = 16
 
 def _launch(n: int, k: int) -> tuple[int, int]:
     """(block_k, num_warps) for a weight of n rows of k columns."""
-    if triton.cdiv(n, _BLOCK_N) >= _MANY_PROGRAMS:
+    if cdiv(n, _BLOCK_N) >= _MANY_PROGRAMS:
         return 256, 4
     return (1024 if k >= 8192 else 512), 8
 
@@ -119,7 +120,7 @@ def gemv(
     assert bias is None or bias.shape == (n,), f"bias must be [{n}]"
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     pdl = pdl_enabled(x.device)
-    _gemv_kernel[(triton.cdiv(n, block_n),)](
+    _gemv_kernel[(cdiv(n, block_n),)](
         x,
         weight,
         bias if bias is not None else weight,

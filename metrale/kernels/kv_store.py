@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from metrale.config import is_fp8
+from metrale.kernels.grid import next_power_of_2
 from metrale.kernels.pdl import pdl_enabled, wait_for_previous_kernel
 from metrale.layers.attention import to_cache_dtype
 
@@ -136,7 +137,7 @@ def store_kv(
         v.stride(1),
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
-        BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        BLOCK_H=next_power_of_2(num_kv_heads),
         SATURATE=saturate,
         FP8_MAX=torch.finfo(k_cache.dtype).max if saturate else 0.0,
         PDL=pdl,

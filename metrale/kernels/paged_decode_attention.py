@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from metrale.config import is_fp8
+from metrale.kernels.grid import cdiv, next_power_of_2
 from metrale.kernels.paged_kv import LOG2_E, attend_keys, check_paged_inputs, dot_dtype
 from metrale.kernels.pdl import pdl_enabled, wait_for_previous_kernel
 
@@ -180,8 +181,8 @@ def plan_decode_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, n
 
     From shapes only (`max_context_len` is the block-table width times block_size).
     """
-    wanted = triton.cdiv(_PROGRAMS_PER_SM * num_sms, max(1, num_seqs * num_kv_heads))
-    by_length = triton.cdiv(max_context_len, _MIN_PARTITION_TOKENS)
+    wanted = cdiv(_PROGRAMS_PER_SM * num_sms, max(1, num_seqs * num_kv_heads))
+    by_length = cdiv(max_context_len, _MIN_PARTITION_TOKENS)
     return max(1, min(wanted, by_length, _MAX_SPLITS))
 
 
@@ -228,7 +229,7 @@ def paged_decode_attention(
     max_context_len = block_tables.shape[1] * block_size
     if num_splits is None:
         num_splits = plan_decode_splits(num_seqs, num_kv_heads, max_context_len, _num_sms(q.device))
-    partition_size = triton.cdiv(max_context_len, num_splits)
+    partition_size = cdiv(max_context_len, num_splits)
     # 128-key tiles read the cache at 95% of the copy bandwidth on the H200 at B3's shapes
     # (64: 86%; bench/decode_attention.py). fp32 tiles are twice the bytes: a quarter of the
     # keys keeps the pipelined K/V buffers in shared memory.
@@ -240,9 +241,9 @@ def paged_decode_attention(
         max_block_n = 32 if q.dtype == torch.float32 else 64 if fp8_cache else 128
     num_warps = num_warps or (2 if fp8_cache else 4)
     num_stages = num_stages or (2 if fp8_cache else 3)
-    block_n = min(max_block_n, max(16, triton.next_power_of_2(partition_size)))
-    partition_size = triton.cdiv(partition_size, block_n) * block_n
-    num_splits = triton.cdiv(max_context_len, partition_size)
+    block_n = min(max_block_n, max(16, next_power_of_2(partition_size)))
+    partition_size = cdiv(partition_size, block_n) * block_n
+    num_splits = cdiv(max_context_len, partition_size)
     group_size = num_heads // num_kv_heads
     pdl = pdl_enabled(q.device)
 
@@ -272,7 +273,7 @@ def paged_decode_attention(
         partition_size,
         NUM_HEADS=num_heads,
         GROUP_SIZE=group_size,
-        BLOCK_G=max(16, triton.next_power_of_2(group_size)),
+        BLOCK_G=max(16, next_power_of_2(group_size)),
         HEAD_DIM=head_dim,
         BLOCK_N=block_n,
         BLOCK_SIZE=block_size,
@@ -293,7 +294,7 @@ def paged_decode_attention(
         out.stride(1),
         num_splits,
         NUM_HEADS=num_heads,
-        BLOCK_S=triton.next_power_of_2(num_splits),
+        BLOCK_S=next_power_of_2(num_splits),
         HEAD_DIM=head_dim,
         PDL=pdl,
         launch_pdl=pdl,

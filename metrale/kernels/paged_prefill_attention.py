@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from metrale.kernels.grid import cdiv, next_power_of_2
 from metrale.kernels.paged_kv import LOG2_E, attend_keys, check_paged_inputs, dot_dtype
 
 
@@ -200,8 +201,8 @@ def paged_prefill_attention(
     max_block_m, block_n = (32, 16) if q.dtype == torch.float32 else (64, 64)
     if tiles is not None:  # a launch override, for the sweep in bench/prefill_attention.py
         max_block_m, block_n = tiles
-    block_m = min(max_block_m, max(16, triton.next_power_of_2(max_query_len)))
-    grid = (triton.cdiv(max_query_len, block_m), num_heads, num_seqs)
+    block_m = min(max_block_m, max(16, next_power_of_2(max_query_len)))
+    grid = (cdiv(max_query_len, block_m), num_heads, num_seqs)
     _paged_prefill_kernel[grid](
         q,
         k_cache,

@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from metrale.kernels.grid import next_power_of_2
 from metrale.kernels.pdl import pdl_enabled, wait_for_previous_kernel
 
 # A row lives in one program's registers; past this, a two-pass (or split-row) kernel would
@@ -137,7 +138,7 @@ def rms_norm(
     if num_tokens == 0:
         return out, x if residual_out is None else residual_out
 
-    block = triton.next_power_of_2(hidden)
+    block = next_power_of_2(hidden)
     # Without a residual the pointers are never dereferenced (HAS_RESIDUAL is a constexpr).
     res_in = x if residual is None else residual
     res_out = out if residual_out is None else residual_out

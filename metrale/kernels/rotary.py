@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from metrale.kernels.grid import next_power_of_2
 from metrale.kernels.pdl import pdl_enabled, wait_for_previous_kernel
 
 
@@ -274,8 +275,8 @@ def apply_rotary(
         return q_out, k_out
 
     half = head_dim // 2
-    block_half = triton.next_power_of_2(half)
-    block_q_heads = triton.next_power_of_2(num_q_heads)
+    block_half = next_power_of_2(half)
+    block_q_heads = next_power_of_2(num_q_heads)
     pdl = pdl_enabled(q.device)
     _rotary_kernel[(num_tokens, 2)](
         q,
@@ -298,7 +299,7 @@ def apply_rotary(
         num_kv_heads,
         half,
         BLOCK_Q_HEADS=block_q_heads,
-        BLOCK_KV_HEADS=triton.next_power_of_2(num_kv_heads),
+        BLOCK_KV_HEADS=next_power_of_2(num_kv_heads),
         BLOCK_HALF=block_half,
         PDL=pdl,
         num_warps=8 if block_q_heads * block_half >= 4096 else 4,

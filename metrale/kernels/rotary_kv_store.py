@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from metrale.kernels.grid import next_power_of_2
 from metrale.kernels.kv_store import check_store_inputs, store_kv_ref, to_cache_value
 from metrale.kernels.pdl import pdl_enabled, wait_for_previous_kernel
 from metrale.kernels.rotary import (
@@ -137,7 +138,7 @@ def rotary_kv_store(
     num_kv_heads = k.shape[1]
     if num_tokens == 0:
         return
-    block_q_heads = triton.next_power_of_2(num_q_heads)
+    block_q_heads = next_power_of_2(num_q_heads)
     pdl = pdl_enabled(q.device)
     _rotary_kv_store_kernel[(num_tokens, 2)](
         q,
@@ -161,7 +162,7 @@ def rotary_kv_store(
         HEAD_DIM=head_dim,
         HALF=head_dim // 2,
         BLOCK_Q_HEADS=block_q_heads,
-        BLOCK_KV_HEADS=triton.next_power_of_2(num_kv_heads),
+        BLOCK_KV_HEADS=next_power_of_2(num_kv_heads),
         SATURATE=saturate,
         FP8_MAX=torch.finfo(k_cache.dtype).max if saturate else 0.0,
         PDL=pdl,

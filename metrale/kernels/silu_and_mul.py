@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from metrale.kernels.grid import cdiv
 from metrale.kernels.pdl import pdl_enabled, wait_for_previous_kernel
 
 # Columns per program: large enough to amortise the program, small enough that a decode step
@@ -69,7 +70,7 @@ def silu_and_mul(gate_up: torch.Tensor, *, out: torch.Tensor | None = None) -> t
     assert out.stride(-1) == 1, f"out needs a contiguous last dim; got strides {out.stride()}"
     if num_tokens == 0 or intermediate == 0:
         return out
-    grid = (num_tokens, triton.cdiv(intermediate, BLOCK))
+    grid = (num_tokens, cdiv(intermediate, BLOCK))
     pdl = pdl_enabled(gate_up.device)
     _silu_and_mul_kernel[grid](
         gate_up,
