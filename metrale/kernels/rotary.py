@@ -71,17 +71,30 @@ def rotated_halves(
     sin1,
     sin2,
     half,
+    norm_ptr,
+    norm_eps,
     BLOCK_HEADS: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    HEAD_NORM: tl.constexpr,
 ):
     """A token's heads rotated, rounded to x's dtype as `apply_rotary_ref` rounds them: the
-    halves [BLOCK_HEADS, BLOCK_HALF] of each head, their head and dim offsets, and the mask."""
+    halves [BLOCK_HEADS, BLOCK_HALF] of each head, their head and dim offsets, and the mask.
+    With HEAD_NORM, each head is first RMS-normalised with the weight at norm_ptr (Qwen3's q/k
+    norm), rounded as `rms_norm_ref` rounds."""
     heads = tl.arange(0, BLOCK_HEADS)[:, None]  # [BLOCK_HEADS, 1]
     dims = tl.arange(0, BLOCK_HALF)[None, :]  # [1, BLOCK_HALF]
     mask = (heads < num_heads) & (dims < half)
     x1_ptrs = x_ptr + token * x_token_stride + heads * x_head_stride + dims
     x1 = tl.load(x1_ptrs, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x1_ptrs + half, mask=mask, other=0.0).to(tl.float32)
+    if HEAD_NORM:
+        dtype = x_ptr.dtype.element_ty
+        mean_square = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * half)
+        rstd = (1.0 / tl.sqrt(mean_square + norm_eps))[:, None]  # [BLOCK_HEADS, 1]
+        w1 = tl.load(norm_ptr + dims, mask=dims < half, other=0.0).to(tl.float32)
+        w2 = tl.load(norm_ptr + half + dims, mask=dims < half, other=0.0).to(tl.float32)
+        x1 = (w1 * (x1 * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        x2 = (w2 * (x2 * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
     # x * cos + rotate_half(x) * sin, where rotate_half(x) = cat(-x2, x1).
     out1 = (x1 * cos1 - x2 * sin1).to(x_ptr.dtype.element_ty)
     out2 = (x2 * cos2 + x1 * sin2).to(x_ptr.dtype.element_ty)
@@ -103,8 +116,11 @@ def rotate_heads(
     sin1,
     sin2,
     half,
+    norm_ptr,
+    norm_eps,
     BLOCK_HEADS: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    HEAD_NORM: tl.constexpr,
 ):
     out1, out2, heads, dims, mask = rotated_halves(
         x_ptr,
@@ -117,8 +133,11 @@ def rotate_heads(
         sin1,
         sin2,
         half,
+        norm_ptr,
+        norm_eps,
         BLOCK_HEADS,
         BLOCK_HALF,
+        HEAD_NORM,
     )
     # Both halves of every head were loaded above, so out_ptr may alias x_ptr.
     out1_ptrs = out_ptr + token * out_token_stride + heads * out_head_stride + dims
@@ -175,8 +194,11 @@ def _rotary_kernel(
             sin1,
             sin2,
             half,
+            q_ptr,  # no head norm
+            0.0,
             BLOCK_Q_HEADS,
             BLOCK_HALF,
+            False,
         )
     else:
         rotate_heads(
@@ -193,8 +215,11 @@ def _rotary_kernel(
             sin1,
             sin2,
             half,
+            k_ptr,  # no head norm
+            0.0,
             BLOCK_KV_HEADS,
             BLOCK_HALF,
+            False,
         )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -9,6 +10,19 @@ import torch
 from torch import nn
 
 from metrale.config import RopeConfig
+from metrale.layers.layernorm import RMSNorm
+
+# Qwen3's RMSNorm over each query and key head, applied before the rotation: (q norm, k norm).
+HeadNorms = tuple[RMSNorm, RMSNorm]
+
+
+def _normalized(
+    head_norms: HeadNorms | None, q: torch.Tensor, k: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if head_norms is None:
+        return q, k
+    q_norm, k_norm = head_norms
+    return q_norm.norm(q), k_norm.norm(k)
 
 
 def inverse_frequencies(rope: RopeConfig, rotary_dim: int) -> torch.Tensor:
@@ -72,12 +86,18 @@ class RotaryEmbedding(nn.Module):
 class RotaryAngles:
     cos: torch.Tensor  # [num_tokens, 1, head_dim]
     signed_sin: torch.Tensor  # [num_tokens, 1, head_dim], first half negated
+    head_norms: HeadNorms | None = None
+
+    def with_head_norms(self, q_norm: RMSNorm, k_norm: RMSNorm) -> RotaryAngles:
+        """This rotation, after a layer's per-head RMSNorm of q and k (Qwen3)."""
+        return dataclasses.replace(self, head_norms=(q_norm, k_norm))
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, num_heads, head_dim]
         return x * self.cos + x.roll(x.shape[-1] // 2, dims=-1) * self.signed_sin
 
     def rotate_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k = _normalized(self.head_norms, q, k)
         return self.rotate(q), self.rotate(k)
 
 
@@ -88,10 +108,16 @@ class FusedRotary:
     cos_cache: torch.Tensor  # [max_positions, head_dim] fp32
     sin_cache: torch.Tensor
     positions: torch.Tensor  # [num_tokens]
+    head_norms: HeadNorms | None = None
+
+    def with_head_norms(self, q_norm: RMSNorm, k_norm: RMSNorm) -> FusedRotary:
+        """This rotation, after a layer's per-head RMSNorm of q and k (Qwen3)."""
+        return dataclasses.replace(self, head_norms=(q_norm, k_norm))
 
     def rotate_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         from metrale.kernels.rotary import apply_rotary
 
+        q, k = _normalized(self.head_norms, q, k)
         return apply_rotary(q, k, self.cos_cache, self.sin_cache, self.positions, q_out=q, k_out=k)
 
     def rotate_and_store(
@@ -104,9 +130,22 @@ class FusedRotary:
         slot_mapping: torch.Tensor,
     ) -> None:
         """Rotate q in place and write k rotated and v to their cache slots (k stays as it is):
-        one kernel where `rotate_qk` and `store_kv` are two."""
+        one kernel where the head norms, `rotate_qk` and `store_kv` are up to four."""
         from metrale.kernels.rotary_kv_store import rotary_kv_store
 
+        weights = None
+        if self.head_norms is not None:
+            q_norm, k_norm = self.head_norms
+            weights = (q_norm.weight, k_norm.weight, q_norm.eps)
         rotary_kv_store(
-            q, k, v, self.cos_cache, self.sin_cache, self.positions, k_cache, v_cache, slot_mapping
+            q,
+            k,
+            v,
+            self.cos_cache,
+            self.sin_cache,
+            self.positions,
+            k_cache,
+            v_cache,
+            slot_mapping,
+            weights,
         )

@@ -59,7 +59,7 @@ class DecoderAttention(nn.Module):
         k = k.view(num_tokens, -1, self.head_dim)
         v = v.view(num_tokens, -1, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm.norm(q), self.k_norm.norm(k)
+            rope = rope.with_head_norms(self.q_norm, self.k_norm)
         out = self.attn(q, k, v, meta, rope)  # [num_tokens, num_heads, head_dim]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 

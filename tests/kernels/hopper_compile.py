@@ -107,6 +107,8 @@ def run_wrappers() -> None:
         caches = [torch.empty(8, 16, kv_heads, dim, dtype=cache_dtype) for _ in range(2)]
         kv_store.store_kv(k, v, *caches, slots)
         rotary_kv_store.rotary_kv_store(q, k, v, cos, sin, positions, *caches, slots)
+        norms = (torch.ones(dim, dtype=bf16), torch.ones(dim, dtype=bf16), 1e-6)
+        rotary_kv_store.rotary_kv_store(q, k, v, cos, sin, positions, *caches, slots, norms)
         paged_decode_attention.paged_decode_attention(
             q[:2], *caches, block_tables, torch.tensor([40, 64]), dim**-0.5
         )
