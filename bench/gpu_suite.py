@@ -7,7 +7,8 @@ roofline of B1 from them; and transformers `generate` on the same requests as th
 Results go to $OUT (or bench/results) as JSON with git SHA, device and versions.
 
     python bench/gpu_suite.py b1 b2 b5 [--scheduler-config sync|async] [--kv-cache-dtype auto|fp8]
-        [--b2-models qwen3_0.6b llama_8b] [--max-cuda-graph-batch N] [--out DIR]
+        [--b2-models qwen3_0.6b llama_8b] [--max-cuda-graph-batch N] [--no-transformers]
+        [--out DIR]
 
 B1 runs under both schedulings; the others under `--scheduler-config` (default async).
 `--kv-cache-dtype fp8` stores the KV cache in fp8 (e4m3) for every engine of the run.
@@ -37,6 +38,8 @@ from metrale.sampling_params import SamplingParams
 ROOT = Path(__file__).resolve().parent
 # Engine flags every benchmark shares, set from the command line.
 ENGINE_FLAGS = {"scheduler_config": "async", "kv_cache_dtype": "auto"}
+# Off with --no-transformers: a quick re-measure of our side only (the record needs them).
+RUN_TRANSFORMERS = True
 
 LLAMA_8B = {
     "architectures": ["LlamaForCausalLM"],
@@ -367,6 +370,8 @@ def hf_rate(model: torch.nn.Module, prompts: list[list[int]], output_lens: list[
 def add_hf_reference(entry: dict, config: dict, prompts: list[list[int]], lens: list[int]) -> None:
     """Run transformers on the same requests (after our engine is released) and record the
     ratio. It decodes greedily where a benchmark samples: the forward passes are the cost."""
+    if not RUN_TRANSFORMERS:
+        return
     model = hf_model(config)
     rate = hf_rate(model, prompts, lens)
     del model
@@ -430,6 +435,8 @@ def b1(results: dict) -> None:
             f"{100 * ours / roofline:.1f}%"
         )
         release(core)
+    if not RUN_TRANSFORMERS:
+        return
     hf = hf_model(LLAMA_8B)
     ids = torch.tensor([prompt], device="cuda")
 
@@ -562,12 +569,12 @@ def b5(results: dict) -> None:
             }
             print(f"B5 {key}: {seconds:.3f} s")
             release(core)
-    # The reference: transformers on a 0%-shared workload (it has no prefix cache).
-    model = hf_model(QWEN3_06B)
-    seconds = 64 * 8 / hf_rate(model, workload(0.0, seed=10), [8] * 64)
-    del model
-    results["b5_hf"] = {"seconds": seconds, "prompt_tokens_per_s": 64 * 2048 / seconds}
-    print(f"B5 transformers, 0% shared: {seconds:.3f} s")
+    if RUN_TRANSFORMERS:  # the reference: a 0%-shared workload (it has no prefix cache)
+        model = hf_model(QWEN3_06B)
+        seconds = 64 * 8 / hf_rate(model, workload(0.0, seed=10), [8] * 64)
+        del model
+        results["b5_hf"] = {"seconds": seconds, "prompt_tokens_per_s": 64 * 2048 / seconds}
+        print(f"B5 transformers, 0% shared: {seconds:.3f} s")
     for shared in (0, 75):
         off = results[f"b5_shared{shared}_nocache"]["seconds"]
         on = results[f"b5_shared{shared}_cache"]["seconds"]
@@ -585,9 +592,14 @@ def main() -> None:
     parser.add_argument("--scheduler-config", choices=["sync", "async"], default="async")
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
     parser.add_argument("--max-cuda-graph-batch", type=int, help="default: the engine's")
+    parser.add_argument(
+        "--no-transformers", action="store_true", help="skip the transformers references"
+    )
     parser.add_argument("--b2-models", nargs="+", choices=list(B2_MODELS), default=list(B2_MODELS))
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ROOT / "results")))
     args = parser.parse_args()
+    global RUN_TRANSFORMERS
+    RUN_TRANSFORMERS = not args.no_transformers
     ENGINE_FLAGS.update(scheduler_config=args.scheduler_config, kv_cache_dtype=args.kv_cache_dtype)
     if args.max_cuda_graph_batch is not None:
         ENGINE_FLAGS["max_cuda_graph_batch"] = args.max_cuda_graph_batch
@@ -602,6 +614,7 @@ def main() -> None:
         "scheduling": args.scheduler_config,
         "kv_cache_dtype": args.kv_cache_dtype,
         "engine_flags": ENGINE_FLAGS,
+        "transformers": RUN_TRANSFORMERS,
     }
     args.out.mkdir(parents=True, exist_ok=True)
     out = args.out / f"gpu_suite-{results['date']}.json"
