@@ -25,6 +25,7 @@ import platform
 import subprocess
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -134,6 +135,56 @@ def device_ms(events) -> float:
     return sum(e.self_device_time_total for e in events if e.device_type == cuda) / 1000
 
 
+def step_ms(core: EngineCore, num_steps: int) -> float:
+    """Wall milliseconds per engine step over the next `num_steps`, unprofiled."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(num_steps):
+        core.step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / num_steps * 1000
+
+
+@dataclass
+class StepProfile:
+    wall_ms: float  # per step, under the profiler (which slows the host's launches)
+    kernel_ms: float  # GPU work per step
+    table: str  # the kernels, most time first
+    host: str  # with host=True: the host's functions, most time first
+
+
+def profile_steps(core: EngineCore, num_steps: int, rows: int, host: bool = False) -> StepProfile:
+    """The next `num_steps` engine steps under torch's profiler (and cProfile with `host`)."""
+    import cProfile
+    import io
+    import pstats
+
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    host_profile = cProfile.Profile()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        if host:
+            host_profile.enable()
+        for _ in range(num_steps):
+            core.step()
+        torch.cuda.synchronize()
+        host_profile.disable()
+    wall_ms = (time.perf_counter() - start) / num_steps * 1000
+    events = prof.key_averages()
+    host_text = io.StringIO()
+    if host:
+        pstats.Stats(host_profile, stream=host_text).sort_stats("tottime").print_stats(25)
+    return StepProfile(
+        wall_ms,
+        device_ms(events) / num_steps,
+        events.table(sort_by="self_cuda_time_total", row_limit=rows),
+        host_text.getvalue(),
+    )
+
+
 def profile(results: dict) -> None:
     """Where a batch-1 decode step of the 8B shape spends its time, kernel by kernel: eager,
     and replayed from CUDA graphs (whose kernel sum against the step's wall time shows the
@@ -152,28 +203,18 @@ def profile(results: dict) -> None:
         core.add_request(EngineRequest("p", prompt, params, 0.0))
         for _ in range(8):
             core.step()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(20):
-            core.step()
-        torch.cuda.synchronize()
-        step_ms = (time.perf_counter() - start) / 20 * 1000
-        from torch.profiler import ProfilerActivity
-        from torch.profiler import profile as torch_profile
-
-        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(5):
-                core.step()
-            torch.cuda.synchronize()
-        events = prof.key_averages()
-        kernel_ms = device_ms(events) / 5
-        table = events.table(sort_by="self_cuda_time_total", row_limit=30)
+        wall_ms = step_ms(core, 20)
+        prof = profile_steps(core, 5, rows=30)
         out = Path(os.environ.get("OUT", ROOT / "results")) / f"profile_b1_{mode}.txt"
         out.write_text(
-            f"{mode} decode step: {step_ms:.3f} ms wall, {kernel_ms:.3f} ms of kernels\n\n{table}\n"
+            f"{mode} decode step: {wall_ms:.3f} ms wall, {prof.kernel_ms:.3f} ms of kernels\n\n"
+            f"{prof.table}\n"
         )
-        results[f"profile_b1_{mode}"] = {"ms_per_step": step_ms, "kernel_ms_per_step": kernel_ms}
-        print(f"{mode} B1 step {step_ms:.3f} ms, kernels {kernel_ms:.3f} ms; profile in {out}")
+        results[f"profile_b1_{mode}"] = {
+            "ms_per_step": wall_ms,
+            "kernel_ms_per_step": prof.kernel_ms,
+        }
+        print(f"{mode} B1 step {wall_ms:.3f} ms, kernels {prof.kernel_ms:.3f} ms; profile in {out}")
         release(core)
 
 
@@ -184,59 +225,36 @@ def profile_b3(results: dict) -> None:
     params = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         core.add_request(EngineRequest(f"p{i}", prompt, params, 0.0))
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
-
     out_dir = Path(os.environ.get("OUT", ROOT / "results"))
     for phase, skip in (("prefill", 3), ("decode", 60)):
         for _ in range(skip):
             core.step()
         # Unprofiled first: the profiler slows the host's launches, so its wall time may show
         # the GPU waiting on a host that is not slow without it.
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(3):
-            core.step()
-        torch.cuda.synchronize()
-        plain_ms = (time.perf_counter() - start) / 3 * 1000
-        start = time.perf_counter()
-        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(3):
-                core.step()
-            torch.cuda.synchronize()
-        step_ms = (time.perf_counter() - start) / 3 * 1000
-        events = prof.key_averages()
-        kernel_ms = device_ms(events) / 3
+        wall_ms = step_ms(core, 3)
+        prof = profile_steps(core, 3, rows=25)
         batch = [
             len(core.scheduler.running),
             sum(r.num_computed_tokens for r in core.scheduler.running),
         ]
-        table = events.table(sort_by="self_cuda_time_total", row_limit=25)
         (out_dir / f"profile_b3_{phase}.txt").write_text(
-            f"B3 {phase} step: {plain_ms:.2f} ms wall ({step_ms:.2f} ms profiled), "
-            f"{kernel_ms:.2f} ms of kernels; {batch[0]} running requests, {batch[1]} computed "
-            f"tokens\n\n{table}\n"
+            f"B3 {phase} step: {wall_ms:.2f} ms wall ({prof.wall_ms:.2f} ms profiled), "
+            f"{prof.kernel_ms:.2f} ms of kernels; {batch[0]} running requests, {batch[1]} "
+            f"computed tokens\n\n{prof.table}\n"
         )
         results[f"profile_b3_{phase}"] = {
-            "ms_per_step": plain_ms,
-            "profiled_ms_per_step": step_ms,
-            "kernel_ms_per_step": kernel_ms,
+            "ms_per_step": wall_ms,
+            "profiled_ms_per_step": prof.wall_ms,
+            "kernel_ms_per_step": prof.kernel_ms,
         }
-        print(f"B3 {phase}: {plain_ms:.2f} ms per step, kernels {kernel_ms:.2f} ms, {batch}")
+        print(f"B3 {phase}: {wall_ms:.2f} ms per step, kernels {prof.kernel_ms:.2f} ms, {batch}")
     release(core)
 
 
 def profile_b5(results: dict) -> None:
     """B5's prefill-bound steps (Qwen3-0.6B, 64 x 2048-token prompts, 0% shared, cache off) at
-    two prefill budgets: the whole run's time, and one profiled step's wall time against its
-    kernel time (the host's share), with the host's top functions."""
-    import cProfile
-    import io
-    import pstats
-
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
-
+    two prefill budgets: the whole run's time, and a step's wall time against its kernel time
+    (the host's share), with the host's top functions."""
     out_dir = Path(os.environ.get("OUT", ROOT / "results"))
     params = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)] * 64
     g = torch.Generator().manual_seed(0)
@@ -255,34 +273,22 @@ def profile_b5(results: dict) -> None:
         for i, prompt in enumerate(prompts[128:]):
             core.add_request(EngineRequest(f"p{budget}-{i}", prompt, params[0], 0.0))
         core.step()
-        torch.cuda.synchronize()
-        host = cProfile.Profile()
-        start = time.perf_counter()
-        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            host.enable()
-            for _ in range(3):
-                core.step()
-            torch.cuda.synchronize()
-            host.disable()
-        step_ms = (time.perf_counter() - start) / 3 * 1000
-        events = prof.key_averages()
-        kernel_ms = device_ms(events) / 3
-        text = io.StringIO()
-        pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(25)
-        table = events.table(sort_by="self_cuda_time_total", row_limit=20)
+        wall_ms = step_ms(core, 3)
+        prof = profile_steps(core, 3, rows=20, host=True)
         (out_dir / f"profile_b5_prefill{budget}.txt").write_text(
-            f"B5 prefill step, budget {budget} tokens: {step_ms:.2f} ms wall (profiled), "
-            f"{kernel_ms:.2f} ms of kernels; whole 0%-shared run {seconds:.3f} s\n\n"
-            f"{table}\n\n{text.getvalue()}"
+            f"B5 prefill step, budget {budget} tokens: {wall_ms:.2f} ms wall "
+            f"({prof.wall_ms:.2f} ms profiled), {prof.kernel_ms:.2f} ms of kernels; whole "
+            f"0%-shared run {seconds:.3f} s\n\n{prof.table}\n\n{prof.host}"
         )
         results[f"profile_b5_prefill{budget}"] = {
-            "ms_per_step": step_ms,
-            "kernel_ms_per_step": kernel_ms,
+            "ms_per_step": wall_ms,
+            "profiled_ms_per_step": prof.wall_ms,
+            "kernel_ms_per_step": prof.kernel_ms,
             "run_seconds": seconds,
         }
         print(
             f"B5 budget {budget}: run {seconds:.3f} s; "
-            f"step {step_ms:.2f} ms, kernels {kernel_ms:.2f} ms"
+            f"step {wall_ms:.2f} ms, kernels {prof.kernel_ms:.2f} ms"
         )
         while core.has_unfinished_requests():
             core.step()
