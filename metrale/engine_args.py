@@ -115,7 +115,7 @@ class EngineArgs:
     chat_template: str | None = None
     attention_backend: str = "auto"
     gpu_memory_utilization: float = 0.9
-    max_cuda_graph_batch: int = 256
+    max_cuda_graph_batch: int = 512
     enforce_eager: bool = False
     scheduler_config: str = "auto"
 

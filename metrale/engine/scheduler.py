@@ -4,7 +4,8 @@ Each step the scheduler gives running requests their next tokens first, oldest f
 KV pool runs dry it preempts the newest running request (its blocks are freed and it is
 recomputed later, from the front of the queue). Then, if nothing was preempted, it admits waiting
 requests in arrival order while the token budget, `max_prefill_tokens`, `max_batch_size` and
-`max_num_seqs` allow; prefix-cache hits count as computed tokens.
+`max_num_seqs` allow; prefix-cache hits count as computed tokens. A step's one-token chunks
+(decodes) come first in its output, for attention to run them as one decode batch.
 
 A step's tokens count as computed, and its samples as pending, as soon as it is scheduled; its
 result comes back through `update()`. So the next step can be scheduled before that result is
@@ -124,6 +125,8 @@ class Scheduler:
             if num_new > 1:
                 prefill_budget -= num_new
 
+        if prefill_budget < self.config.max_prefill_tokens:  # some chunk has more than 1 token
+            chunks, scheduled = _one_token_chunks_first(chunks, scheduled)
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(chunks, finished, scheduled)
 
@@ -251,3 +254,12 @@ class Scheduler:
         self.kv_cache.free(request)
         del self.requests[request.request_id]
         self._finished_ids.append(request.request_id)
+
+
+def _one_token_chunks_first(
+    chunks: list[ScheduledChunk], requests: list[Request]
+) -> tuple[list[ScheduledChunk], list[Request]]:
+    """Reorder a mixed step so its one-token chunks (decodes) lead, each kind in its order:
+    attention runs them as one decode batch, with a kernel made for a query row per sequence."""
+    order = sorted(range(len(chunks)), key=lambda i: chunks[i].num_tokens > 1)
+    return [chunks[i] for i in order], [requests[i] for i in order]

@@ -152,6 +152,7 @@ class ModelRunner:
         num_seqs = len(chunks)
         max_blocks = 0
         max_query_len = 0
+        num_decode_seqs = 0
         num_samples = 0
         num_pending = 0
         b.query_start_loc.np[0] = 0
@@ -168,6 +169,8 @@ class ModelRunner:
                 b.pending_src.np[num_pending] = rows[chunk.request_id]
                 num_pending += 1
             if n == 1:  # decode: scalar writes, no temporary arrays (most rows of big batches)
+                if num_decode_seqs == i:  # the leading run of one-row sequences goes on
+                    num_decode_seqs += 1
                 b.input_ids.np[num_tokens] = chunk.token_ids[0]
                 b.positions.np[num_tokens] = start
                 b.slot_mapping.np[num_tokens] = block_ids[start // bs] * bs + start % bs
@@ -196,7 +199,7 @@ class ModelRunner:
             b.query_start_loc.np[num_seqs + 1 : padded_num_seqs + 1] = np.arange(
                 num_seqs + 1, padded_num_seqs + 1
             )
-            num_tokens = num_seqs = padded_num_seqs
+            num_tokens = num_seqs = num_decode_seqs = padded_num_seqs
             max_blocks = b.block_tables.np.shape[1]
             max_query_len = 1
         input_ids = b.input_ids.copy_to_device(num_tokens)
@@ -212,6 +215,7 @@ class ModelRunner:
             query_start_loc_host=b.query_start_loc.np[: num_seqs + 1],
             start_positions_host=b.start_positions.np[:num_seqs],
             max_query_len=max_query_len,
+            num_decode_seqs=num_decode_seqs,
             block_size=bs,
             sliding_window=self.model_config.sliding_window,
         )

@@ -103,6 +103,29 @@ def test_token_budget_caps_each_step():
     )
 
 
+def test_one_token_chunks_lead_each_step_in_their_order():
+    """Decodes first (attention runs them as one decode batch), and every token still reaches
+    its own request."""
+    s = make_scheduler(max_prefill_tokens=8, max_num_batched_tokens=16)
+    # One-token prompts are admitted after the chunks of running prompts: they move up.
+    lens = [20, 1, 9, 1, 14]
+    reqs = [request(f"r{i}", prompt_len=n, max_tokens=6, first_token=i) for i, n in enumerate(lens)]
+    for r in reqs:
+        s.add_request(r)
+    outputs, _, runner = run_to_completion(s)
+    mixed = 0
+    for step in runner.steps:
+        sizes = [c.num_tokens for c in step.chunks]
+        num_decodes = next((i for i, n in enumerate(sizes) if n > 1), len(sizes))
+        assert all(n > 1 for n in sizes[num_decodes:])
+        decode_ids = [c.request_id for c in step.chunks[:num_decodes]]
+        assert decode_ids == sorted(decode_ids), "decodes keep the running order (oldest first)"
+        mixed += 0 < num_decodes < len(sizes)
+    assert mixed > 0
+    for r in reqs:
+        assert outputs[r.request_id] == expected_tokens(r, 6)
+
+
 def test_max_num_seqs_and_batch_size_bound_each_step():
     s = make_scheduler(max_num_seqs=3, max_batch_size=2)
     for i in range(5):

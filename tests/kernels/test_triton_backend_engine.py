@@ -33,8 +33,18 @@ def test_triton_backend_gives_the_torch_backends_tokens(tmp_path, arch) -> None:
         max_prefill_tokens=24,  # prompts in chunks
         num_kv_blocks=12,  # too few for all six: some are preempted and recomputed
     )
+    steps = []  # (decode rows leading the step, longest chunk) of each step
+    build = llm.engine.runner.build_metadata
+
+    def recording_build(step):
+        steps.append((step.num_decode_seqs, step.max_query_len))
+        return build(step)
+
+    llm.engine.runner.build_metadata = recording_build
     outputs = llm.generate(batch, PARAMS, use_tqdm=False)
     assert llm.engine.scheduler.num_preemptions > 0
+    # Mixed steps ran, their decode rows through the decode kernel.
+    assert any(num_decodes > 0 and longest > 1 for num_decodes, longest in steps)
     for ours, ref in zip(outputs, expected, strict=True):
         a, b = ours.outputs[0], ref.outputs[0]
         assert a.token_ids == b.token_ids

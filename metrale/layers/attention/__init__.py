@@ -36,6 +36,9 @@ class StepBatch:
     query_start_loc_host: np.ndarray  # the same, on the host
     start_positions_host: np.ndarray  # [num_seqs] computed tokens before the step
     max_query_len: int
+    # The leading sequences of one query row each (the scheduler puts decodes first): a
+    # backend may run them with a decode kernel, apart from the longer chunks after them.
+    num_decode_seqs: int
     block_size: int
     sliding_window: int | None
 

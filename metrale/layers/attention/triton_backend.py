@@ -24,6 +24,7 @@ class TritonAttentionMetadata:
     seq_lens: torch.Tensor  # [num_seqs]
     query_start_loc: torch.Tensor  # [num_seqs + 1]
     max_query_len: int
+    num_decode_seqs: int  # the leading sequences of one query row each
     sliding_window: int | None
 
     @classmethod
@@ -34,6 +35,7 @@ class TritonAttentionMetadata:
             batch.seq_lens,
             batch.query_start_loc,
             batch.max_query_len,
+            batch.num_decode_seqs,
             batch.sliding_window,
         )
 
@@ -47,23 +49,42 @@ class TritonAttentionMetadata:
             q, k = rope.rotate_qk(q, k)
             store_kv(k, v, layer.k_cache, layer.v_cache, self.slot_mapping)
         if self.max_query_len == 1:  # decode only: one row per sequence, in order
-            return paged_decode_attention(
-                q,
-                layer.k_cache,
-                layer.v_cache,
-                self.block_tables,
-                self.seq_lens,
-                layer.scale,
-                self.sliding_window,
-            )
+            return self._decode(layer, q, self.block_tables, self.seq_lens)
+        # A mixed step: its leading decode rows go to the decode kernel, which splits their long
+        # contexts over programs and reads a kv head once for its query heads; in the prefill
+        # kernel each would take a whole tile of query rows, and a program per query head.
+        out = torch.empty_like(q)
+        n = self.num_decode_seqs
+        if n:
+            self._decode(layer, q[:n], self.block_tables[:n], self.seq_lens[:n], out[:n])
         return paged_prefill_attention(
             q,
             layer.k_cache,
             layer.v_cache,
-            self.block_tables,
-            self.query_start_loc,
-            self.seq_lens,
+            self.block_tables[n:],
+            self.query_start_loc[n:],
+            self.seq_lens[n:],
             self.max_query_len,
             layer.scale,
             self.sliding_window,
+            out,
+        )
+
+    def _decode(
+        self,
+        layer: Attention,
+        q: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return paged_decode_attention(
+            q,
+            layer.k_cache,
+            layer.v_cache,
+            block_tables,
+            seq_lens,
+            layer.scale,
+            self.sliding_window,
+            out,
         )
