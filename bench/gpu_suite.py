@@ -252,47 +252,80 @@ def profile_b3(results: dict) -> None:
 
 
 def profile_b5(results: dict) -> None:
-    """B5's prefill-bound steps (Qwen3-0.6B, 64 x 2048-token prompts, 0% shared, cache off) at
-    two prefill budgets: the whole run's time, and a step's wall time against its kernel time
-    (the host's share), with the host's top functions."""
+    """Where B5's 75%-shared run spends its time, cache off and on: each step's wall time and
+    what it computed (prompt tokens, decode rows; sync scheduling, so a step is timed alone),
+    and the kernels of the whole run. The runs before (the 2,048 against 8,192-token prefill
+    budget) are in bench/results/profile_b5_prefill*-2026-12-01.txt."""
     out_dir = Path(os.environ.get("OUT", ROOT / "results"))
     params = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)] * 64
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 10000, (2048,), generator=g).tolist() for _ in range(3 * 64)]
-    for budget in (2048, 8192):
+    for caching in (False, True):
+        name = "cache" if caching else "nocache"
         core = engine(
             QWEN3_06B,
             max_seq_len=4096,
             max_num_seqs=64,
-            enable_prefix_caching=False,
-            max_prefill_tokens=budget,
+            enable_prefix_caching=caching,
             gpu_memory_utilization=0.5,
+            scheduler_config="sync",
         )
-        run(core, prompts[:64], params)
-        seconds = sorted(run(core, prompts[64:128], params)[0] for _ in range(3))[1]
-        for i, prompt in enumerate(prompts[128:]):
-            core.add_request(EngineRequest(f"p{budget}-{i}", prompt, params[0], 0.0))
-        core.step()
-        wall_ms = step_ms(core, 3)
-        prof = profile_steps(core, 3, rows=20, host=True)
-        (out_dir / f"profile_b5_prefill{budget}.txt").write_text(
-            f"B5 prefill step, budget {budget} tokens: {wall_ms:.2f} ms wall "
-            f"({prof.wall_ms:.2f} ms profiled), {prof.kernel_ms:.2f} ms of kernels; whole "
-            f"0%-shared run {seconds:.3f} s\n\n{prof.table}\n\n{prof.host}"
+        run(core, b5_workload(0.75, seed=1), params)
+        seconds = run(core, b5_workload(0.75, seed=2), params)[0]
+        steps = timed_steps(core, b5_workload(0.75, seed=3), params)
+        for i, prompt in enumerate(b5_workload(0.75, seed=4)):
+            core.add_request(EngineRequest(f"profiled-{i}", prompt, params[i], 0.0))
+        prof = profile_steps(core, len(steps), rows=25)
+        lines = [f"{n_prompt:6d} {n_decode:4d} {ms:8.2f}" for n_prompt, n_decode, ms in steps]
+        total = sum(ms for _, _, ms in steps)
+        decode_only = sum(ms for n_prompt, _, ms in steps if n_prompt == 0)
+        (out_dir / f"profile_b5_shared75_{name}.txt").write_text(
+            f"B5 75% shared, prefix cache {'on' if caching else 'off'} (sync scheduling): run "
+            f"{seconds:.3f} s; timed steps {total:.1f} ms, of which decode-only steps "
+            f"{decode_only:.1f} ms; profiled run {prof.kernel_ms * len(steps):.1f} ms of "
+            f"kernels\n\nprompt tokens, decode rows, ms of each step:\n"
+            + "\n".join(lines)
+            + f"\n\n{prof.table}\n"
         )
-        results[f"profile_b5_prefill{budget}"] = {
-            "ms_per_step": wall_ms,
-            "profiled_ms_per_step": prof.wall_ms,
-            "kernel_ms_per_step": prof.kernel_ms,
+        results[f"profile_b5_shared75_{name}"] = {
             "run_seconds": seconds,
+            "steps": steps,
+            "step_ms_total": total,
+            "decode_only_ms": decode_only,
+            "kernel_ms_total": prof.kernel_ms * len(steps),
         }
         print(
-            f"B5 budget {budget}: run {seconds:.3f} s; "
-            f"step {wall_ms:.2f} ms, kernels {prof.kernel_ms:.2f} ms"
+            f"B5 75% {name}: run {seconds:.3f} s, {len(steps)} steps {total:.1f} ms "
+            f"(decode-only {decode_only:.1f} ms), kernels {prof.kernel_ms * len(steps):.1f} ms"
         )
         while core.has_unfinished_requests():
             core.step()
         release(core)
+
+
+def timed_steps(
+    core: EngineCore, prompts: list[list[int]], params: list[SamplingParams]
+) -> list[tuple[int, int, float]]:
+    """(prompt tokens, decode rows, wall ms) of each engine step that runs the requests."""
+    schedule = core.scheduler.schedule
+    shapes = []
+
+    def recording_schedule():
+        scheduled = schedule()
+        n_prompt = sum(c.num_tokens for c in scheduled.chunks if c.num_tokens > 1)
+        shapes.append((n_prompt, sum(c.num_tokens == 1 for c in scheduled.chunks)))
+        return scheduled
+
+    core.scheduler.schedule = recording_schedule
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        core.add_request(EngineRequest(f"timed-{i}", prompt, p, 0.0))
+    times = []
+    while core.has_unfinished_requests():
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        core.step()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1000)
+    core.scheduler.schedule = schedule
+    return [(*shape, ms) for shape, ms in zip(shapes, times, strict=True)]
 
 
 def bandwidth() -> dict[str, float]:
@@ -528,6 +561,16 @@ def b3(results: dict) -> None:
     add_hf_reference(results["b3_llama_8b"], LLAMA_8B, prompts[:HF_BATCH], [1000] * HF_BATCH)
 
 
+def b5_workload(shared: float, seed: int) -> list[list[int]]:
+    """64 prompts of 2,048 tokens whose first `shared` of tokens are the same."""
+    g = torch.Generator().manual_seed(seed)
+    prefix = torch.randint(0, 10000, (int(2048 * shared),), generator=g).tolist()
+    return [
+        prefix + torch.randint(0, 10000, (2048 - len(prefix),), generator=g).tolist()
+        for _ in range(64)
+    ]
+
+
 def b5(results: dict) -> None:
     """Prefix caching: 2048-token prompts sharing 0% or 75% of their tokens, cache on and off.
 
@@ -537,14 +580,6 @@ def b5(results: dict) -> None:
     runs. The timed runs use fresh seeds, so with caching only each run's own shared prefix is
     reused. Medians of seven.
     """
-
-    def workload(shared: float, seed: int) -> list[list[int]]:
-        g = torch.Generator().manual_seed(seed)
-        prefix = torch.randint(0, 10000, (int(2048 * shared),), generator=g).tolist()
-        return [
-            prefix + torch.randint(0, 10000, (2048 - len(prefix),), generator=g).tolist()
-            for _ in range(64)
-        ]
 
     params = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)] * 64
     for shared in (0.0, 0.75):
@@ -561,10 +596,10 @@ def b5(results: dict) -> None:
         }
         runs: dict[bool, list[float]] = {False: [], True: []}
         for core in cores.values():
-            run(core, workload(shared, seed=1), params)
+            run(core, b5_workload(shared, seed=1), params)
         for seed in range(10, 17):
             for caching, core in cores.items():
-                runs[caching].append(run(core, workload(shared, seed=seed), params)[0])
+                runs[caching].append(run(core, b5_workload(shared, seed=seed), params)[0])
         for caching, core in cores.items():
             seconds = sorted(runs[caching])[len(runs[caching]) // 2]
             key = f"b5_shared{int(shared * 100)}_{'cache' if caching else 'nocache'}"
@@ -577,7 +612,7 @@ def b5(results: dict) -> None:
             release(core)
     if RUN_TRANSFORMERS:  # the reference: a 0%-shared workload (it has no prefix cache)
         model = hf_model(QWEN3_06B)
-        seconds = 64 * 8 / hf_rate(model, workload(0.0, seed=10), [8] * 64)
+        seconds = 64 * 8 / hf_rate(model, b5_workload(0.0, seed=10), [8] * 64)
         del model
         results["b5_hf"] = {"seconds": seconds, "prompt_tokens_per_s": 64 * 2048 / seconds}
         print(f"B5 transformers, 0% shared: {seconds:.3f} s")
