@@ -4,7 +4,8 @@ graphs: paged decode attention at each split count it could use, and the greedy 
 
 B1's block tables are 2,048 tokens wide (its max_seq_len) and its contexts 128-640 tokens. An
 attention graph chains 32 calls (a step's layers), so a call's figure includes the gap to the
-next kernel as in a step; the default launch (8 splits of 256 tokens here) is the first row.
+next kernel as in a step; the default launch is the first row (8 splits of 256 tokens when
+it ran on 2026-12-01, 16 of 128 since, after what it measured).
 
     python bench/b1_small_kernels.py [--out DIR]
 """

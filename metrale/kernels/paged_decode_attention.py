@@ -28,8 +28,10 @@ from metrale.kernels.grid import cdiv, next_power_of_2
 from metrale.kernels.paged_kv import LOG2_E, attend_keys, check_paged_inputs, dot_dtype
 from metrale.kernels.pdl import pdl_enabled, wait_for_previous_kernel
 
-# A split this short spends more on its partial (write + reduce) than on its keys.
-_MIN_PARTITION_TOKENS = 256
+# A split this short spends more on its partial (write + reduce) than on its keys. At B1's
+# shapes on the H200 (one sequence, 2,048-token table, contexts 256-512; bench/b1_small_kernels.py)
+# 16 splits of 128 tokens took 6.2 us a layer, 8 of 256 7.2-8.1 us, 32 of 64 6.9 us.
+_MIN_PARTITION_TOKENS = 128
 # Keeps the reduce kernel's [num_splits, head_dim] tile in registers.
 _MAX_SPLITS = 64
 # Aim for this many programs per SM in pass one.

@@ -199,11 +199,12 @@ def test_reference_matches_dense_sdpa(sliding_window: int | None) -> None:
 def test_plan_decode_splits() -> None:
     # A full batch already fills the GPU: one split.
     assert plan_decode_splits(256, 8, 8192, 132) == 1
-    # One long sequence: many splits, none shorter than 256 tokens, at most 64.
-    assert plan_decode_splits(1, 8, 4096, 132) == 16
+    # One long sequence: many splits, none shorter than 128 tokens, at most 64.
+    assert plan_decode_splits(1, 8, 2048, 132) == 16
+    assert plan_decode_splits(1, 8, 4096, 132) == 32
     assert plan_decode_splits(1, 1, 1 << 20, 132) == 64
     # A short context is not split below the minimum partition.
-    assert plan_decode_splits(1, 8, 200, 132) == 1
+    assert plan_decode_splits(1, 8, 100, 132) == 1
 
 
 @pytest.mark.parametrize("sliding_window", [None, 6])
