@@ -427,8 +427,7 @@ def add_hf_reference(entry: dict, config: dict, prompts: list[list[int]], lens: 
 
 def b1(results: dict) -> None:
     """Batch-1 decode, Llama-3.1-8B shape, prompt 128, 512 output tokens."""
-    bw = bandwidth()
-    results["bandwidth"] = bw
+    bw = results["bandwidth"]
     prompt = torch.randint(0, 128000, (128,)).tolist()
 
     def params(n: int) -> list[SamplingParams]:
@@ -623,6 +622,19 @@ def b5(results: dict) -> None:
         print(f"B5 shared {shared}%: cache on is {off / on:.2f}x the speed of cache off")
 
 
+def versions() -> dict[str, str]:
+    import transformers
+    import triton
+
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": str(torch.version.cuda),
+        "triton": triton.__version__,
+        "transformers": transformers.__version__,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -651,12 +663,15 @@ def main() -> None:
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
         ).stdout.strip(),
         "device": torch.cuda.get_device_name(),
-        "versions": {"torch": torch.__version__, "python": platform.python_version()},
+        "versions": versions(),
         "scheduling": args.scheduler_config,
         "kv_cache_dtype": args.kv_cache_dtype,
         "engine_flags": ENGINE_FLAGS,
         "transformers": RUN_TRANSFORMERS,
     }
+    # Every call records the machine's read bandwidth of the moment (B1's roofline uses it).
+    results["bandwidth"] = bandwidth()
+    print(f"copy bandwidth {results['bandwidth']['copy_bytes_per_s'] / 1e12:.2f} TB/s")
     args.out.mkdir(parents=True, exist_ok=True)
     out = args.out / f"gpu_suite-{results['date']}.json"
     for name in args.benchmarks:
