@@ -18,3 +18,37 @@ def pdl() -> bool:
     """Whether Triton kernels may use programmatic dependent launch on GPUs that have it
     (`metrale.kernels.pdl`): METRALE_PDL=0 turns it off."""
     return os.environ.get("METRALE_PDL", "1") != "0"
+
+
+def api_keys() -> list[str]:
+    """API keys every `/v1` request must carry one of: METRALE_API_KEY, comma-separated."""
+    return [key.strip() for key in os.environ.get("METRALE_API_KEY", "").split(",") if key.strip()]
+
+
+def positive_int(name: str) -> int | None:
+    """An environment variable that holds a count, or None when it is unset or empty."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"{name}={text!r} is not a whole number") from None
+    if value < 1:
+        raise ValueError(f"{name}={value} must be at least 1")
+    return value
+
+
+def rate_limit_rpm() -> int | None:
+    """Requests per minute per API key (per client address without keys): unset, no limit."""
+    return positive_int("METRALE_RATE_LIMIT_RPM")
+
+
+def rate_limit_tpm() -> int | None:
+    """Tokens (prompt plus max_tokens, unused refunded) per minute per key: unset, no limit."""
+    return positive_int("METRALE_RATE_LIMIT_TPM")
+
+
+def rate_limit_max_keys() -> int:
+    """How many clients the rate limiter remembers (least recently used forgotten first)."""
+    return positive_int("METRALE_RATE_LIMIT_MAX_KEYS") or 10_000

@@ -147,7 +147,7 @@ def validate_request(config: EngineConfig, request: EngineRequest) -> None:
         ("stop_token_ids", params.stop_token_ids),
         ("logit_bias", list(params.logit_bias or ())),
     ):
-        if any(t >= vocab_size for t in token_ids):
+        if any(not 0 <= t < vocab_size for t in token_ids):
             raise ValueError(f"{name} token ids must be in [0, {vocab_size})")
     max_len = min(num_tokens + (params.max_tokens or max_seq_len), max_seq_len)
     block_size = config.cache.block_size

@@ -32,6 +32,7 @@ class AsyncLLM:
         self.tokenizer = tokenizer
         self._processor = OutputProcessor(tokenizer)
         self._queues: dict[str, asyncio.Queue[CompletionDelta | Exception]] = {}
+        self._waiting: set[str] = set()  # added, no output yet: queued or in prefill
         self._output_task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -40,6 +41,16 @@ class AsyncLLM:
     @property
     def is_alive(self) -> bool:
         return self.client.is_alive
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests sent to the engine that have had no output yet (queued, or in prefill)."""
+        return len(self._waiting)
+
+    @property
+    def num_open(self) -> int:
+        """Requests sent to the engine and not yet finished."""
+        return len(self._queues)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[CompletionDelta]:
         """Stream the request's deltas until it finishes; abort it if the caller leaves early."""
@@ -54,14 +65,17 @@ class AsyncLLM:
         finished = False
         try:
             self.client.add_request(request)
+            self._waiting.add(request_id)
             while not finished:
                 item = await queue.get()
+                self._waiting.discard(request_id)
                 if isinstance(item, Exception):
                     finished = True
                     raise item
                 finished = item.finished
                 yield item
         finally:
+            self._waiting.discard(request_id)
             self._queues.pop(request_id, None)
             self._processor.remove_request(request_id)
             if not finished:

@@ -1,8 +1,7 @@
-"""The FastAPI application: routers, and error handlers that keep every error in API shape."""
+"""The FastAPI application: routers, the edge middleware, and error handlers that keep every
+error in API shape."""
 
 from __future__ import annotations
-
-import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -14,9 +13,8 @@ from metrale.server.anthropic import messages as anthropic_messages
 from metrale.server.anthropic.errors import shaped_response
 from metrale.server.errors import APIError, http_status_error
 from metrale.server.openai import chat, completions, models
+from metrale.server.security.middleware import EdgeMiddleware
 from metrale.server.state import ServerState
-
-logger = logging.getLogger(__name__)
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -42,9 +40,7 @@ def build_app(state: ServerState) -> FastAPI:
         detail = e.detail if isinstance(e.detail, str) else None
         return shaped_response(request, http_status_error(e.status_code, detail))
 
-    @app.exception_handler(Exception)
-    async def unexpected_error(request: Request, e: Exception) -> JSONResponse:
-        logger.exception("unhandled error on %s %s", request.method, request.url.path)
-        return shaped_response(request, APIError(f"internal error: {type(e).__name__}", 500))
-
+    # Keys, limits and the last-resort handler (anything unexpected: a 500 in the route's
+    # shape, logged with the request id) wrap every route.
+    app.add_middleware(EdgeMiddleware, guard=state.guard)
     return app

@@ -1,13 +1,16 @@
 """Errors in the OpenAI shape, and a body parser that never lets a framework answer for us.
 
 Every failure a client can cause — bytes that are not UTF-8, text that is not JSON, nesting too
-deep to parse, fields of the wrong type or out of range — becomes a 4xx whose body is
-`{"error": {"message", "type", "param", "code"}}`, the shape the OpenAI SDKs read.
+deep to parse, text that is not valid Unicode (a lone surrogate escape), integers past int64,
+numbers that are not finite, fields of the wrong type or out of range — becomes a 4xx whose body
+is `{"error": {"message", "type", "param", "code"}}`, the shape the OpenAI SDKs read.
 """
 
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Mapping
 from http import HTTPStatus
 from typing import Any, TypeVar
 
@@ -17,8 +20,8 @@ from fastapi.responses import JSONResponse
 
 ModelT = TypeVar("ModelT", bound=pydantic.BaseModel)
 
-MAX_BODY_BYTES = 32 * 2**20
 MAX_JSON_DEPTH = 64
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 class APIError(Exception):
@@ -32,6 +35,8 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         error_type: str | None = None,
+        headers: Mapping[str, str] | None = None,
+        anthropic_status: int | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
@@ -39,6 +44,9 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.error_type = error_type or _default_type(status)
+        self.headers = dict(headers or {})
+        # Anthropic answers some situations with a status of its own (529 when overloaded).
+        self.anthropic_status = anthropic_status or status
 
     def body(self) -> dict[str, Any]:
         return {
@@ -51,7 +59,7 @@ class APIError(Exception):
         }
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def _default_type(status: int) -> str:
@@ -79,9 +87,7 @@ def model_not_found(name: str) -> APIError:
 
 
 async def parse_body(request: Request, model: type[ModelT]) -> ModelT:
-    raw = await request.body()
-    if len(raw) > MAX_BODY_BYTES:
-        raise APIError(f"request body is {len(raw)} bytes; the limit is {MAX_BODY_BYTES}", 413)
+    raw = await request.body()  # the body-size limit is the edge middleware's
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -94,8 +100,7 @@ async def parse_body(request: Request, model: type[ModelT]) -> ModelT:
         ) from None
     except RecursionError:
         raise APIError("request body is nested too deeply") from None
-    if _depth(data) > MAX_JSON_DEPTH:
-        raise APIError(f"request body is nested deeper than {MAX_JSON_DEPTH} levels")
+    check_json_values(data)
     if not isinstance(data, dict):
         raise APIError(f"request body must be a JSON object, not {type(data).__name__}")
     try:
@@ -128,19 +133,49 @@ def _is_union_tag(part: object) -> bool:
     )
 
 
-def _depth(value: object) -> int:
-    # Iterative, so a hostile body cannot exhaust the stack here either.
-    deepest, stack = 0, [(value, 1)]
+def check_json_values(value: object) -> None:
+    """Refuse what JSON can carry but nothing downstream should meet: nesting past
+    `MAX_JSON_DEPTH`, strings with lone surrogates (`"\\ud800"` parses, but is no Unicode text
+    and cannot be encoded), integers past int64 and non-finite numbers (`NaN`, `Infinity`).
+    Iterative, so a hostile body cannot exhaust the stack here either."""
+    stack: list[tuple[object, tuple[str | int, ...]]] = [(value, ())]
     while stack:
-        item, depth = stack.pop()
-        deepest = max(deepest, depth)
-        if depth > MAX_JSON_DEPTH:
-            break
-        if isinstance(item, dict):
-            stack.extend((v, depth + 1) for v in item.values())
+        item, path = stack.pop()
+        if len(path) >= MAX_JSON_DEPTH:
+            raise APIError(f"request body is nested deeper than {MAX_JSON_DEPTH} levels")
+        if isinstance(item, str):
+            if not item.isascii():
+                _check_unicode(item, path)
+        elif isinstance(item, dict):
+            for key, child in item.items():
+                _check_unicode(key, path)
+                stack.append((child, (*path, key)))
         elif isinstance(item, list):
-            stack.extend((v, depth + 1) for v in item)
-    return deepest
+            stack.extend((child, (*path, i)) for i, child in enumerate(item))
+        elif isinstance(item, bool):
+            continue
+        elif isinstance(item, int):
+            if not INT64_MIN <= item <= INT64_MAX:
+                raise _value_error(path, "integer is out of range (past 64 bits)")
+        elif isinstance(item, float) and not math.isfinite(item):
+            raise _value_error(path, f"{item} is not a finite number")
+
+
+def _check_unicode(text: str, path: tuple[str | int, ...]) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        reason = f"string is not valid Unicode (a lone surrogate at character {e.start})"
+        raise _value_error(path, reason) from None
+
+
+def _value_error(path: tuple[str | int, ...], reason: str) -> APIError:
+    param = ".".join(_ascii(part) for part in path) or None
+    return APIError(f"{param}: {reason}" if param else reason, param=param)
+
+
+def _ascii(part: str | int) -> str:
+    return part.encode("utf-8", "backslashreplace").decode() if isinstance(part, str) else str(part)
 
 
 def http_status_error(status: int, detail: str | None = None) -> APIError:

@@ -26,7 +26,8 @@ from metrale.frontend.async_llm import RequestRejectedError
 from metrale.frontend.output_processor import CompletionDelta
 from metrale.outputs import PositionLogprobs
 from metrale.sampling_params import SamplingParams
-from metrale.server.errors import APIError
+from metrale.server.errors import INT64_MIN, APIError
+from metrale.server.security.guard import CLIENT_SCOPE_KEY, Admission
 from metrale.server.state import ServerState
 
 T = TypeVar("T")
@@ -100,7 +101,8 @@ def prepare(
     for i in range(n):
         child_params = params
         if n > 1 and params.seed is not None:
-            child_params = dataclasses.replace(params, seed=params.seed + i)
+            seed = (params.seed + i - INT64_MIN) % 2**64 + INT64_MIN  # stays an int64
+            child_params = dataclasses.replace(params, seed=seed)
         child = EngineRequest(f"{request_id}-{i}", prompt_token_ids, child_params, now)
         try:
             validate_request(state.config, child)
@@ -110,6 +112,28 @@ def prepare(
     return PreparedPrompt(request_id, prompt_token_ids, children)
 
 
+def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:
+    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise APIError(
+            f"token id {bad} is out of range: ids must be in [0, {vocab_size})", param=param
+        )
+
+
+def admit(request: Request, state: ServerState, prompts: list[PreparedPrompt]) -> Admission:
+    """Charge the request's tokens to its client's rate limit and check the queue bound, before
+    anything reaches the engine; raises the 429 (or Anthropic's 529) that refuses it."""
+    children = [child for prompt in prompts for child in prompt.children]
+    guard = state.guard
+    return guard.admit(
+        request.scope.get("state", {}).get(CLIENT_SCOPE_KEY),
+        prompt_tokens=sum(len(child.prompt_token_ids) for child in children),
+        output_tokens=sum(child.sampling_params.max_tokens or 0 for child in children),
+        num_waiting=state.llm.num_waiting if guard.config.max_queued_requests else 0,
+        n=len(children),
+    )
+
+
 def default_max_tokens(state: ServerState, num_prompt_tokens: int) -> int:
     return max(state.config.scheduler.max_seq_len - num_prompt_tokens, 1)
 
@@ -117,12 +141,18 @@ def default_max_tokens(state: ServerState, num_prompt_tokens: int) -> int:
 async def stream_deltas(
     state: ServerState,
     prompts: list[PreparedPrompt],
+    admission: Admission | None = None,
 ) -> AsyncIterator[tuple[int, CompletionDelta]]:
-    """Deltas of every choice of every prompt, as (choice index, delta), interleaved."""
+    """Deltas of every choice of every prompt, as (choice index, delta), interleaved. When the
+    stream ends, however it ends, `admission` is refunded the tokens that were not generated."""
     streams = [state.llm.generate(child) for prompt in prompts for child in prompt.children]
+    generated = 0
+    if admission is not None:
+        admission.started()
     try:
         if len(streams) == 1:
             async for delta in streams[0]:
+                generated += len(delta.token_ids)
                 yield 0, delta
             return
         queue: asyncio.Queue[tuple[int, CompletionDelta] | BaseException | None] = asyncio.Queue()
@@ -145,12 +175,15 @@ async def stream_deltas(
                 elif isinstance(item, BaseException):
                     raise item
                 else:
+                    generated += len(item[1].token_ids)
                     yield item
         finally:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
     finally:
+        if admission is not None:
+            admission.settle(generated)
         for stream in streams:
             with contextlib.suppress(Exception):
                 await stream.aclose()  # type: ignore[attr-defined]

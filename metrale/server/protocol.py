@@ -9,15 +9,116 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
 
 from metrale.sampling_params import SamplingParams
 
 TokenIds = list[Annotated[int, Field(ge=0)]]
 
+# Caps on the lists a request can make the server loop over (OpenAI's own where it has one).
+MAX_STOP_SEQUENCES = 16
+MAX_STOP_TOKEN_IDS = 256
+MAX_LOGIT_BIAS = 300
+MAX_TOOLS = 128
+MAX_N = 128
+# What a chat template is called with; `chat_template_kwargs` cannot override these.
+TEMPLATE_ARGUMENTS = frozenset(
+    {"messages", "tools", "add_generation_prompt", "continue_final_message", "documents"}
+)
+
 
 class _Body(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class _Open(_Body):
+    """A body part whose unknown fields are kept (a tool's `strict`, a schema's extras)."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+def _as_given(part: BaseModel) -> dict[str, Any]:
+    """A checked part as the dict the client sent: what templates and grammars read."""
+    return part.model_dump(exclude_unset=True)
+
+
+class FunctionDefinition(_Open):
+    name: Annotated[str, Field(min_length=1, max_length=256)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class FunctionTool(_Open):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+def _tool_dict(tool: FunctionTool) -> dict[str, Any]:
+    return {**_as_given(tool), "type": "function"}
+
+
+class NamedFunction(_Body):
+    name: Annotated[str, Field(min_length=1)]
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(_Open):
+    name: str | None = None
+    description: str | None = None
+    schema_: Annotated[dict[str, Any] | None, Field(alias="schema")] = None
+    strict: bool | None = None
+
+    model_config = ConfigDict(strict=True, extra="allow", populate_by_name=True)
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+def _response_format_dict(value: ResponseFormat) -> dict[str, Any]:
+    out: dict[str, Any] = {"type": value.type}
+    if value.json_schema is not None:
+        out["json_schema"] = value.json_schema.model_dump(exclude_unset=True, by_alias=True)
+    return out
+
+
+class StructuredOutputsSpec(_Body):
+    """vLLM's `structured_outputs`: one of a JSON schema, a regex or an EBNF grammar."""
+
+    json_: Annotated[dict[str, Any] | str | None, Field(alias="json")] = None
+    regex: str | None = None
+    grammar: str | None = None
+
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> StructuredOutputsSpec:
+        if sum(v is not None for v in (self.json_, self.regex, self.grammar)) != 1:
+            raise ValueError("structured_outputs: give one of json (a schema), regex or grammar")
+        return self
+
+
+def _template_kwargs(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    reserved = sorted(TEMPLATE_ARGUMENTS.intersection(value or {}))
+    if reserved:
+        raise ValueError(
+            f"{', '.join(reserved)} cannot be set through chat_template_kwargs (use the "
+            f"request's own fields)"
+        )
+    return value
 
 
 class StreamOptions(_Body):
@@ -32,15 +133,20 @@ class SamplingFields(_Body):
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     top_k: Annotated[int, Field(ge=-1)] | None = None
     min_p: Annotated[float, Field(ge=0, le=1)] | None = None
-    n: Annotated[int, Field(ge=1, le=128)] = 1
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     seed: int | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: TokenIds | None = None
+    stop_token_ids: Annotated[TokenIds, Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     include_stop_str_in_output: bool = False
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
     repetition_penalty: Annotated[float, Field(gt=0, le=10)] = 1.0
-    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    logit_bias: (
+        Annotated[
+            dict[str, Annotated[float, Field(ge=-100, le=100)]], Field(max_length=MAX_LOGIT_BIAS)
+        ]
+        | None
+    ) = None
     ignore_eos: bool = False
     min_tokens: Annotated[int, Field(ge=0)] = 0
     skip_special_tokens: bool = True
@@ -52,11 +158,17 @@ class SamplingFields(_Body):
     @classmethod
     def _stop_strings(cls, value: str | list[str] | None) -> str | list[str] | None:
         stops = [value] if isinstance(value, str) else value or []
-        if len(stops) > 16:
-            raise ValueError("at most 16 stop sequences are allowed")
+        if len(stops) > MAX_STOP_SEQUENCES:
+            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed")
         if any(not s for s in stops):
             raise ValueError("stop sequences must be non-empty strings")
         return value
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> SamplingFields:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed when stream is true")
+        return self
 
     def sampling_params(
         self, max_tokens: int | None, logprobs: int | None, defaults: dict[str, Any]
@@ -141,15 +253,32 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    # Checked as typed parts, then kept as the dicts the client sent (templates read those).
+    tools: (
+        Annotated[
+            list[Annotated[FunctionTool, AfterValidator(_tool_dict)]],
+            Field(max_length=MAX_TOOLS),
+        ]
+        | None
+    ) = None
+    tool_choice: (
+        Literal["none", "auto", "required"]
+        | Annotated[NamedToolChoice, AfterValidator(_as_given)]
+        | None
+    ) = None
     parallel_tool_calls: bool | None = None
     store: bool = False
     metadata: dict[str, str] | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: Annotated[dict[str, Any] | None, AfterValidator(_template_kwargs)] = None
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
-    response_format: dict[str, Any] | None = None
-    structured_outputs: dict[str, Any] | None = None  # vLLM's: {json | regex | grammar: ...}
+    response_format: Annotated[ResponseFormat, AfterValidator(_response_format_dict)] | None = None
+    structured_outputs: (
+        Annotated[
+            StructuredOutputsSpec,
+            AfterValidator(lambda spec: spec.model_dump(exclude_none=True, by_alias=True)),
+        ]
+        | None
+    ) = None  # vLLM's: {json | regex | grammar: ...}
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     echo: bool = False
@@ -205,7 +334,7 @@ class TokenizeRequest(_Body):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: Annotated[dict[str, Any] | None, AfterValidator(_template_kwargs)] = None
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:

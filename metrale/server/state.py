@@ -12,6 +12,8 @@ from metrale.frontend.async_llm import AsyncLLM
 from metrale.runner.structured_output import StructuredOutputs
 from metrale.sampling_params import StructuredOutput
 from metrale.server.errors import APIError, model_not_found
+from metrale.server.security.config import SecurityConfig
+from metrale.server.security.guard import Guard
 from metrale.tokenizer import Tokenizer
 
 
@@ -39,6 +41,7 @@ class ServerState:
     started_at_s: float = field(default_factory=time.time)
     stored_completions: OrderedDict[str, dict[str, Any]] = field(default_factory=OrderedDict)
     structured_outputs: StructuredOutputs | None = None  # compiled on first use
+    guard: Guard = field(default_factory=lambda: Guard(SecurityConfig()))
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.settings.served_model_name:

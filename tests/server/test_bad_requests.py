@@ -188,7 +188,193 @@ CASES = [
     ("detokenize negative id", "/detokenize", {"tokens": [-1]}, 400, "tokens"),
     ("detokenize id past vocab", "/detokenize", {"tokens": [10**9]}, 400, "out of range"),
     ("unknown route", "/v1/nothing-here", {}, 404, "Not Found"),
+    # Each of these once answered 500 or reset the connection.
+    ("completions token id past int64", COMPLETIONS, completion(prompt=[2**70]), 400, "64 bits"),
+    (
+        "batched completions token id past int64",
+        COMPLETIONS,
+        completion(prompt=[[1, 2], [2**70]]),
+        400,
+        "prompt.1.0",
+    ),
+    (
+        "completions token id past 32 bits",
+        COMPLETIONS,
+        completion(prompt=[10**15]),
+        400,
+        "out of range",
+    ),
+    (
+        "batched completions token id past 32 bits",
+        COMPLETIONS,
+        completion(prompt=[[1, 2], [10**15]]),
+        400,
+        "out of range",
+    ),
+    (
+        "lone surrogate in chat content",
+        CHAT,
+        b'{"messages": [{"role": "user", "content": "\\ud800 hi"}]}',
+        400,
+        "unicode",
+    ),
+    (
+        "lone surrogate in a key",
+        CHAT,
+        b'{"messages": [{"role": "user", "content": "x"}], "\\udfff": 1}',
+        400,
+        "unicode",
+    ),
+    ("lone surrogate in a prompt", COMPLETIONS, b'{"prompt": "\\udfff"}', 400, "unicode"),
+    ("lone surrogate to tokenize", "/tokenize", b'{"prompt": "a\\ud800"}', 400, "unicode"),
+    ("seed past int64", CHAT, chat(seed=2**64), 400, "seed"),
+    ("max_tokens past int64", CHAT, chat(max_tokens=2**63), 400, "max_tokens"),
+    ("infinite temperature", CHAT, b'{"messages": [], "temperature": Infinity}', 400, "finite"),
+    (
+        "tool without a function name",
+        CHAT,
+        chat(tools=[{"type": "function", "function": {"parameters": {}}}]),
+        400,
+        "tools.0.function.name",
+    ),
+    (
+        "tool without a function, streaming",
+        CHAT,
+        chat(stream=True, tools=[{"type": "function"}]),
+        400,
+        "tools.0.function",
+    ),
+    ("tool function not an object", CHAT, chat(tools=[{"function": 5}]), 400, "tools.0"),
+    ("tool of unknown type", CHAT, chat(tools=[{"type": "web", "function": {}}]), 400, "tools"),
+    (
+        "too many tools",
+        CHAT,
+        chat(tools=[{"type": "function", "function": {"name": f"f{i}"}} for i in range(200)]),
+        400,
+        "tools",
+    ),
+    ("tool_choice unknown word", CHAT, chat(tool_choice="sometimes"), 400, "tool_choice"),
+    (
+        "tool_choice without function",
+        CHAT,
+        chat(tool_choice={"type": "function"}),
+        400,
+        "tool_choice.function",
+    ),
+    (
+        "response_format schema not an object",
+        CHAT,
+        chat(response_format={"type": "json_schema", "json_schema": 5}),
+        400,
+        "response_format.json_schema",
+    ),
+    ("response_format unknown type", CHAT, chat(response_format={"type": "xml"}), 400, "type"),
+    (
+        "structured_outputs of two kinds",
+        CHAT,
+        chat(structured_outputs={"regex": "a", "grammar": "b"}),
+        400,
+        "structured_outputs",
+    ),
+    (
+        "chat_template_kwargs overriding messages",
+        CHAT,
+        chat(chat_template_kwargs={"messages": 5}),
+        400,
+        "chat_template_kwargs",
+    ),
+    (
+        "tokenize chat_template_kwargs overriding tools",
+        "/tokenize",
+        {"messages": USER, "chat_template_kwargs": {"tools": 5}},
+        400,
+        "chat_template_kwargs",
+    ),
+    (
+        "stream_options without stream (chat)",
+        CHAT,
+        chat(stream_options={"include_usage": True}),
+        400,
+        "stream_options",
+    ),
+    (
+        "stream_options without stream (completions)",
+        COMPLETIONS,
+        completion(stream_options={"include_usage": True}),
+        400,
+        "stream_options",
+    ),
+    (
+        "too many logit_bias entries",
+        CHAT,
+        chat(logit_bias={str(i): 1 for i in range(400)}),
+        400,
+        "logit_bias",
+    ),
+    ("logit_bias negative token", CHAT, chat(logit_bias={"-3": 1}), 400, "logit_bias"),
+    (
+        "too many stop_token_ids",
+        CHAT,
+        chat(stop_token_ids=list(range(300))),
+        400,
+        "stop_token_ids",
+    ),
 ]
+
+MESSAGES = "/v1/messages"
+
+
+def message(**fields):
+    return {"model": MODEL_NAME, "max_tokens": 8, "messages": USER, **fields}
+
+
+# Anthropic's routes: the same classes, in Anthropic's error shape.
+ANTHROPIC_CASES = [
+    ("max_tokens far past the context", MESSAGES, message(max_tokens=10**12), 400, "max_tokens"),
+    ("max_tokens past int64", MESSAGES, message(max_tokens=2**63), 400, "max_tokens"),
+    ("metadata not an object", MESSAGES, message(metadata="abc"), 400, "metadata"),
+    (
+        "lone surrogate in content",
+        MESSAGES,
+        b'{"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "\\ud800"}]}',
+        400,
+        "unicode",
+    ),
+    ("tool without a name", MESSAGES, message(tools=[{"input_schema": {}}]), 400, "tools.0.name"),
+    (
+        "count_tokens tool without a name",
+        MESSAGES + "/count_tokens",
+        message(tools=[{"input_schema": {}}]),
+        400,
+        "tools.0.name",
+    ),
+    ("invalid json", MESSAGES, b'{"model": ', 400, "JSON"),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "path", "body", "status", "word"),
+    ANTHROPIC_CASES,
+    ids=[c[0] for c in ANTHROPIC_CASES],
+)
+def test_bad_anthropic_request_gets_a_clear_4xx(server, name, path, body, status, word):
+    kwargs = (
+        {"content": body, "headers": {"content-type": "application/json"}}
+        if isinstance(body, bytes)
+        else {"json": body}
+    )
+    response = httpx.post(server.base_url + path, timeout=30, **kwargs)
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert body["type"] == "error"
+    assert body["error"]["type"] == "invalid_request_error"
+    assert word.lower() in body["error"]["message"].lower(), body
+
+
+def test_large_max_tokens_within_anthropics_ceiling_runs_to_the_window(server):
+    """Claude Code asks for 32k tokens whatever the window: that is no error."""
+    response = httpx.post(server.base_url + MESSAGES, json=message(max_tokens=32_000), timeout=60)
+    assert response.status_code == 200, response.text
 
 
 @pytest.mark.parametrize(

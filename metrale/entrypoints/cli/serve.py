@@ -20,6 +20,7 @@ import uvicorn
 
 from metrale.engine_args import EngineArgs
 from metrale.entrypoints.cli import Subcommand, register
+from metrale.server.security.config import SecurityConfig
 
 logger = logging.getLogger("metrale.serve")
 
@@ -106,6 +107,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="run the engine core in a thread of the server process (debugging)",
     )
+    SecurityConfig.add_cli_args(parser)
     EngineArgs.add_cli_args(parser)
 
 
@@ -123,10 +125,12 @@ async def _serve(args: argparse.Namespace) -> int:
     from metrale.models import model_class_for
     from metrale.recipes import Behavior, Checkpoint, repo_id_of
     from metrale.server.app import build_app
+    from metrale.server.security.guard import Guard
     from metrale.server.state import ServerSettings, ServerState
     from metrale.tokenizer import Tokenizer
 
     engine_args = EngineArgs.from_cli(args)
+    security = SecurityConfig.from_cli(args)  # a bad flag stops us before the weights load
     with phase("resolve model"):
         model_dir = engine_args.resolve_model_dir()
         if engine_args.is_demo:
@@ -203,8 +207,15 @@ async def _serve(args: argparse.Namespace) -> int:
                 tokenizer,
                 config,
                 settings,
-                serve_config=_effective_config(args, config, settings, behavior),
+                serve_config=_effective_config(args, config, settings, behavior, security),
+                guard=Guard(security),
             )
+            if security.api_keys:
+                logger.info(
+                    "API keys: %d; required on %s",
+                    len(security.api_keys),
+                    "every route but /health" if security.require_auth else "/v1 routes",
+                )
             app = build_app(state)
         server = _Server(
             uvicorn.Config(
@@ -255,7 +266,11 @@ class _Server(uvicorn.Server):
 
 
 def _effective_config(
-    args: argparse.Namespace, config: Any, settings: Any, behavior: Any
+    args: argparse.Namespace,
+    config: Any,
+    settings: Any,
+    behavior: Any,
+    security: SecurityConfig,
 ) -> dict[str, Any]:
     def plain(value: Any) -> Any:
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
@@ -276,6 +291,7 @@ def _effective_config(
             "reasoning_parser": behavior.reasoning_parser_source,
             "max_thinking_budget": behavior.max_thinking_budget_source,
         },
+        "security": security.describe(),  # how many API keys, never the keys
         "engine": plain(config),
     }
 

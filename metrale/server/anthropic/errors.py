@@ -29,6 +29,10 @@ _ERROR_TYPES = {
 }
 
 
+def is_anthropic_path(path: str) -> bool:
+    return path == ROUTE_PREFIX or path.startswith(ROUTE_PREFIX + "/")
+
+
 def error_type(status: int) -> str:
     # Anthropic uses invalid_request_error for 4xx statuses its table does not list, and
     # api_error is its "unexpected internal error": a dead engine is one (status 503).
@@ -36,12 +40,17 @@ def error_type(status: int) -> str:
 
 
 def error_body(e: APIError) -> dict[str, Any]:
-    return {"type": "error", "error": {"type": error_type(e.status), "message": e.message}}
+    status = e.anthropic_status
+    return {"type": "error", "error": {"type": error_type(status), "message": e.message}}
+
+
+def shaped(path: str, e: APIError) -> tuple[int, dict[str, Any]]:
+    """`e` as the client of `path` reads errors: (status, body)."""
+    if is_anthropic_path(path):
+        return e.anthropic_status, error_body(e)
+    return e.status, e.body()
 
 
 def shaped_response(request: Request, e: APIError) -> JSONResponse:
-    """`e` as the client of this route reads errors."""
-    path = request.url.path
-    if path == ROUTE_PREFIX or path.startswith(ROUTE_PREFIX + "/"):
-        return JSONResponse(error_body(e), status_code=e.status)
-    return e.response()
+    status, body = shaped(request.url.path, e)
+    return JSONResponse(body, status_code=status, headers=e.headers)

@@ -50,11 +50,13 @@ from metrale.server.errors import APIError, parse_body
 from metrale.server.generation import (
     PreparedPrompt,
     Usage,
+    admit,
     engine_error,
     prepare,
     stream_deltas,
     until_disconnected,
 )
+from metrale.server.security.guard import Admission
 from metrale.server.state import ServerState
 
 router = APIRouter()
@@ -103,6 +105,7 @@ async def create_message(request: Request) -> Any:
     prompt = prepare(state, f"msg_{uuid.uuid4().hex}", prompt_ids, params, 1)
     parser = output_parser(state, chat, prompt_text, prompt.request_id)
     reply = _Reply(prompt, state.settings.served_model_name, parser, max_tokens < body.max_tokens)
+    reply.admission = admit(request, state, [prompt])
     if body.stream:
         return StreamingResponse(_stream(state, reply), media_type="text/event-stream")
     try:
@@ -135,6 +138,7 @@ class _Reply:
         self.usage = Usage(prompt_tokens=len(prompt.prompt_token_ids))
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
+        self.admission: Admission | None = None  # refunded the tokens not generated
 
     def add(self, delta: CompletionDelta) -> list[dict[str, Any]]:
         """Take an engine delta; return the block events it settles."""
@@ -178,7 +182,7 @@ class _Reply:
 
 
 async def _complete(state: ServerState, reply: _Reply) -> None:
-    async for _, delta in stream_deltas(state, [reply.prompt]):
+    async for _, delta in stream_deltas(state, [reply.prompt], reply.admission):
         reply.add(delta)
 
 
@@ -193,7 +197,7 @@ async def _stream(state: ServerState, reply: _Reply) -> AsyncIterator[str]:
     yield _event({"type": "ping"})
     try:
         async with asyncio.timeout(state.settings.request_timeout_s):
-            async for _, delta in stream_deltas(state, [reply.prompt]):
+            async for _, delta in stream_deltas(state, [reply.prompt], reply.admission):
                 for event in reply.add(delta):
                     yield _event(event)
     except Exception as e:

@@ -12,7 +12,12 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from metrale.server.protocol import _Body
+from metrale.server.protocol import MAX_STOP_SEQUENCES, MAX_TOOLS, _Body
+
+# The largest max_tokens accepted, whatever the context window: Anthropic's own ceiling (Claude
+# Opus's 128k output tokens). Below it, a max_tokens past the window is no error (the reply runs
+# to the window's end); above it, it is a mistake.
+MAX_OUTPUT_TOKENS = 128_000
 
 
 class TextBlock(_Body):
@@ -109,17 +114,33 @@ class CountTokensRequest(_Body):
     model: str
     messages: Annotated[list[Message], Field(min_length=1)]
     system: str | list[TextBlock] | None = None
-    tools: list[Tool] | None = None
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
+
+
+class Metadata(_Body):
+    user_id: Annotated[str, Field(max_length=256)] | None = None
 
 
 class MessagesRequest(CountTokensRequest):
     max_tokens: Annotated[int, Field(ge=1)]
     stop_sequences: (
-        Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=16)] | None
+        Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=MAX_STOP_SEQUENCES)]
+        | None
     ) = None
+    metadata: Metadata | None = None
     temperature: Annotated[float, Field(ge=0, le=1)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     top_k: Annotated[int, Field(ge=0)] | None = None
     stream: bool = False
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _max_tokens_ceiling(cls, value: int) -> int:
+        if value > MAX_OUTPUT_TOKENS:
+            raise ValueError(
+                f"{value} > {MAX_OUTPUT_TOKENS}, which is the maximum allowed number of output "
+                f"tokens"
+            )
+        return value

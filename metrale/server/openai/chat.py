@@ -26,6 +26,7 @@ from metrale.server.generation import (
     Choice,
     PreparedPrompt,
     Usage,
+    admit,
     default_max_tokens,
     engine_error,
     new_id,
@@ -35,6 +36,7 @@ from metrale.server.generation import (
 )
 from metrale.server.openai.logprobs import chat_logprobs
 from metrale.server.protocol import ChatCompletionRequest
+from metrale.server.security.guard import Admission
 from metrale.server.state import ServerState
 
 router = APIRouter()
@@ -112,18 +114,19 @@ async def create_chat_completion(request: Request) -> Any:
     prompt = prepare(state, new_id("chatcmpl"), prompt_ids, params, body.n)
     model = state.settings.served_model_name
     parsers = [output_parser(state, body, prompt_text, prompt.request_id) for _ in range(body.n)]
+    admission = admit(request, state, [prompt])
     if body.stream:
         include_usage = state.settings.always_include_usage or bool(
             body.stream_options and body.stream_options.include_usage
         )
         return StreamingResponse(
-            _stream(state, prompt, body, model, include_usage, parsers),
+            _stream(state, prompt, body, model, include_usage, parsers, admission),
             media_type="text/event-stream",
         )
     try:
         result = await until_disconnected(
             request,
-            _complete(state, prompt, body, model, parsers),
+            _complete(state, prompt, body, model, parsers, admission),
             state.settings.request_timeout_s,
         )
     except APIError:
@@ -141,11 +144,12 @@ async def _complete(
     body: ChatCompletionRequest,
     model: str,
     parsers: list[ChatOutputParser],
+    admission: Admission,
 ) -> dict[str, Any]:
     choices = [Choice(i) for i in range(body.n)]
     messages = [ChatDelta() for _ in range(body.n)]
     usage = Usage(prompt_tokens=len(prompt.prompt_token_ids))
-    async for index, delta in stream_deltas(state, [prompt]):
+    async for index, delta in stream_deltas(state, [prompt], admission):
         choices[index].add(delta)
         merge(messages[index], parsers[index].feed(delta.text))
         if delta.finished:
@@ -192,6 +196,7 @@ async def _stream(
     model: str,
     include_usage: bool,
     parsers: list[ChatOutputParser],
+    admission: Admission,
 ) -> AsyncIterator[str]:
     created = int(time.time())
     usage = Usage(prompt_tokens=len(prompt.prompt_token_ids))
@@ -222,7 +227,7 @@ async def _stream(
         )
     try:
         async with asyncio.timeout(state.settings.request_timeout_s):
-            async for index, delta in stream_deltas(state, [prompt]):
+            async for index, delta in stream_deltas(state, [prompt], admission):
                 usage.completion_tokens += len(delta.token_ids)
                 usage.cached_tokens = delta.num_cached_tokens
                 parsed = parsers[index].feed(delta.text)

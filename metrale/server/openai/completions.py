@@ -16,6 +16,8 @@ from metrale.server.generation import (
     Choice,
     PreparedPrompt,
     Usage,
+    admit,
+    check_token_ids,
     engine_error,
     new_id,
     prepare,
@@ -24,6 +26,7 @@ from metrale.server.generation import (
 )
 from metrale.server.openai.logprobs import completion_logprobs
 from metrale.server.protocol import CompletionRequest
+from metrale.server.security.guard import Admission
 from metrale.server.state import ServerState
 
 router = APIRouter()
@@ -34,6 +37,9 @@ def split_prompts(state: ServerState, prompt: Any) -> list[tuple[str, list[int]]
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
         prompt = [prompt]
     tokenizer = state.tokenizer
+    for p in prompt:
+        if not isinstance(p, str):  # before decoding: the tokenizer takes 32-bit ids only
+            check_token_ids(p, state.config.model.vocab_size, "prompt")
     return [
         (p, tokenizer.encode(p)) if isinstance(p, str) else (tokenizer.decode(p), list(p))
         for p in prompt
@@ -58,18 +64,19 @@ async def create_completion(request: Request) -> Any:
         texts.append(text)
         prompts.append(prepare(state, f"{request_id}-{i}", token_ids, params, body.n))
     model = state.settings.served_model_name
+    admission = admit(request, state, prompts)
     if body.stream:
         include_usage = state.settings.always_include_usage or bool(
             body.stream_options and body.stream_options.include_usage
         )
         return StreamingResponse(
-            _stream(state, request_id, prompts, texts, body, model, include_usage),
+            _stream(state, request_id, prompts, texts, body, model, include_usage, admission),
             media_type="text/event-stream",
         )
     try:
         result = await until_disconnected(
             request,
-            _complete(state, request_id, prompts, texts, body, model),
+            _complete(state, request_id, prompts, texts, body, model, admission),
             state.settings.request_timeout_s,
         )
     except APIError:
@@ -96,11 +103,12 @@ async def _complete(
     texts: list[str],
     body: CompletionRequest,
     model: str,
+    admission: Admission,
 ) -> dict[str, Any]:
     choices = [Choice(i) for i in range(len(prompts) * body.n)]
     usage = Usage(prompt_tokens=sum(len(p.prompt_token_ids) for p in prompts) * body.n)
     cached: dict[int, int] = {}
-    async for index, delta in stream_deltas(state, prompts):
+    async for index, delta in stream_deltas(state, prompts, admission):
         choices[index].add(delta)
         cached[index] = delta.num_cached_tokens
     usage.completion_tokens = sum(len(c.token_ids) for c in choices)
@@ -135,6 +143,7 @@ async def _stream(
     body: CompletionRequest,
     model: str,
     include_usage: bool,
+    admission: Admission,
 ) -> AsyncIterator[str]:
     created = int(time.time())
     usage = Usage(prompt_tokens=sum(len(p.prompt_token_ids) for p in prompts) * body.n)
@@ -161,7 +170,7 @@ async def _stream(
             yield chunk([{"index": index, "text": text, "logprobs": None, "finish_reason": None}])
     try:
         async with asyncio.timeout(state.settings.request_timeout_s):
-            async for index, delta in stream_deltas(state, prompts):
+            async for index, delta in stream_deltas(state, prompts, admission):
                 usage.completion_tokens += len(delta.token_ids)
                 cached[index] = delta.num_cached_tokens
                 if not delta.text and not delta.finished and delta.logprobs is None:

@@ -8,6 +8,7 @@ from fastapi import APIRouter, Request
 
 from metrale.server.chat_request import render_messages
 from metrale.server.errors import APIError, model_not_found, parse_body
+from metrale.server.generation import check_token_ids
 from metrale.server.protocol import DetokenizeRequest, TokenizeRequest
 from metrale.server.state import ServerState
 from metrale.tokenizer import ChatTemplateError
@@ -82,12 +83,7 @@ async def detokenize(request: Request) -> dict[str, Any]:
     state: ServerState = request.app.state.server
     body = await parse_body(request, DetokenizeRequest)
     state.check_model(body.model)
-    vocab_size = state.tokenizer.vocab_size
-    bad = [t for t in body.tokens if t >= vocab_size]
-    if bad:
-        raise APIError(
-            f"token id {bad[0]} is out of range: ids must be in [0, {vocab_size})", param="tokens"
-        )
+    check_token_ids(body.tokens, state.tokenizer.vocab_size, "tokens")
     return {"prompt": state.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
 
