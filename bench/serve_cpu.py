@@ -6,7 +6,11 @@ real `met serve` subprocess (engine core in its own process) driven by 32 concur
 `/v1/completions` requests; the reference is `LLM.generate` on the same 32 requests in this
 process, before the server starts. Output tokens/s are medians over --repeats runs.
 
-    python bench/serve_cpu.py [--repeats 3]
+With --security, the server is also measured with an API key and both rate limits on (limits
+far above the workload, so every request is charged and none refused), in alternating rounds
+against the plain server, and the ratio of the two medians is reported.
+
+    python bench/serve_cpu.py [--repeats 3] [--security]
 """
 
 from __future__ import annotations
@@ -60,6 +64,15 @@ def offline_tokens_per_s(path: Path, prompts: list[list[int]], repeats: int) -> 
     return runs
 
 
+BENCH_KEY = "sk-bench"
+# Limits no run comes near: the buckets are charged and refunded, never empty.
+SECURITY_ENV = {
+    "METRALE_API_KEY": BENCH_KEY,
+    "METRALE_RATE_LIMIT_RPM": "1000000",
+    "METRALE_RATE_LIMIT_TPM": "1000000000",
+}
+
+
 async def one_stream(client: httpx.AsyncClient, prompt: list[int]) -> int:
     body = {
         "prompt": prompt,
@@ -79,15 +92,20 @@ async def one_stream(client: httpx.AsyncClient, prompt: list[int]) -> int:
     return tokens
 
 
-async def server_run(base_url: str, prompts: list[list[int]]) -> float:
+async def server_run(base_url: str, prompts: list[list[int]], secured: bool = False) -> float:
     limits = httpx.Limits(max_connections=NUM_STREAMS)
-    async with httpx.AsyncClient(base_url=base_url, timeout=600, limits=limits) as client:
+    headers = {"authorization": f"Bearer {BENCH_KEY}"} if secured else {}
+    async with httpx.AsyncClient(
+        base_url=base_url, timeout=600, limits=limits, headers=headers
+    ) as client:
         start = time.perf_counter()
         counts = await asyncio.gather(*(one_stream(client, p) for p in prompts))
         return sum(counts) / (time.perf_counter() - start)
 
 
-def server_tokens_per_s(path: Path, prompts: list[list[int]], repeats: int) -> list[float]:
+def server_tokens_per_s(
+    path: Path, prompts: list[list[int]], repeats: int, secured: bool = False
+) -> list[float]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -106,7 +124,8 @@ def server_tokens_per_s(path: Path, prompts: list[list[int]], repeats: int) -> l
         "1024",
         "--no-prefix-caching",
     ]
-    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env = {**os.environ, **(SECURITY_ENV if secured else {})}
+    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     base_url = f"http://127.0.0.1:{port}"
     try:
         for _ in range(600):
@@ -115,8 +134,8 @@ def server_tokens_per_s(path: Path, prompts: list[list[int]], repeats: int) -> l
                     break
             except httpx.HTTPError:
                 time.sleep(0.2)
-        asyncio.run(server_run(base_url, prompts[:2]))  # warm up
-        return [asyncio.run(server_run(base_url, prompts)) for _ in range(repeats)]
+        asyncio.run(server_run(base_url, prompts[:2], secured))  # warm up
+        return [asyncio.run(server_run(base_url, prompts, secured)) for _ in range(repeats)]
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(timeout=60)
@@ -126,11 +145,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--checkpoint", type=Path, default=ROOT / ".cache" / "llama-58m")
+    parser.add_argument(
+        "--security",
+        action="store_true",
+        help="also measure with an API key and rate limits on, alternating rounds with the plain "
+        "server (--repeats rounds of 2 runs each)",
+    )
     args = parser.parse_args()
     path = build_checkpoint(args.checkpoint)
     prompts = workload()
     offline = offline_tokens_per_s(path, prompts, args.repeats)
-    served = server_tokens_per_s(path, prompts, args.repeats)
+    served, secured = [], []
+    if args.security:
+        for _ in range(args.repeats):  # alternate, so drift on the machine hits both alike
+            served += server_tokens_per_s(path, prompts, 2)
+            secured += server_tokens_per_s(path, prompts, 2, secured=True)
+    else:
+        served = server_tokens_per_s(path, prompts, args.repeats)
     med_offline, med_served = statistics.median(offline), statistics.median(served)
     result = {
         "benchmark": "serve_cpu",
@@ -146,11 +177,22 @@ def main() -> None:
         "median": {"offline": med_offline, "server": med_served},
         "server_vs_offline": med_served / med_offline,
     }
-    out = ROOT / "results" / f"serve_cpu-{result['date']}.json"
+    if secured:
+        med_secured = statistics.median(secured)
+        result["server_with_key_and_limits_tokens_per_s"] = secured
+        result["median"]["server_with_key_and_limits"] = med_secured
+        result["with_key_and_limits_vs_plain"] = med_secured / med_served
+    suffix = "-security" if secured else ""
+    out = ROOT / "results" / f"serve_cpu{suffix}-{result['date']}.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(
         json.dumps(
-            {"median": result["median"], "server_vs_offline": result["server_vs_offline"]}, indent=2
+            {
+                k: v
+                for k, v in result.items()
+                if k in ("median", "server_vs_offline", "with_key_and_limits_vs_plain")
+            },
+            indent=2,
         )
     )
     print(f"wrote {out}")

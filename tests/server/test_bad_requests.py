@@ -358,12 +358,7 @@ ANTHROPIC_CASES = [
     ids=[c[0] for c in ANTHROPIC_CASES],
 )
 def test_bad_anthropic_request_gets_a_clear_4xx(server, name, path, body, status, word):
-    kwargs = (
-        {"content": body, "headers": {"content-type": "application/json"}}
-        if isinstance(body, bytes)
-        else {"json": body}
-    )
-    response = httpx.post(server.base_url + path, timeout=30, **kwargs)
+    response = post(server, path, body)
     assert response.status_code == status, response.text
     body = response.json()
     assert body["type"] == "error"
@@ -377,16 +372,21 @@ def test_large_max_tokens_within_anthropics_ceiling_runs_to_the_window(server):
     assert response.status_code == 200, response.text
 
 
-@pytest.mark.parametrize(
-    ("name", "path", "body", "status", "word"), CASES, ids=[c[0] for c in CASES]
-)
-def test_bad_request_gets_a_clear_4xx(server, name, path, body, status, word):
+def post(server, path: str, body: dict | bytes) -> httpx.Response:
+    """`body` as JSON, or as raw bytes labelled JSON."""
     kwargs = (
         {"content": body, "headers": {"content-type": "application/json"}}
         if isinstance(body, bytes)
         else {"json": body}
     )
-    response = httpx.post(server.base_url + path, timeout=30, **kwargs)
+    return httpx.post(server.base_url + path, timeout=30, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("name", "path", "body", "status", "word"), CASES, ids=[c[0] for c in CASES]
+)
+def test_bad_request_gets_a_clear_4xx(server, name, path, body, status, word):
+    response = post(server, path, body)
     assert response.status_code == status, response.text
     assert response.headers["content-type"].startswith("application/json")
     error = response.json()["error"]
