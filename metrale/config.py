@@ -8,6 +8,8 @@ flags (`EngineArgs`). Every derived value is computed here, once.
 from __future__ import annotations
 
 import json
+import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -61,6 +63,89 @@ def parse_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
         ) from None
 
 
+# Bounds on the sizes config.json declares, checked before any tensor of those shapes exists
+# (the preflight, `--load-format dummy` and the demo all build shapes from them). No real
+# checkpoint comes near one: the largest dense Llama-family model, Llama 3.1 405B, has hidden
+# 16,384, intermediate 53,248, 126 layers and 128 heads; vocabularies reach 262,144 (Gemma 3);
+# contexts reach about 10M positions (Llama 4 Scout). Yet every absurd value (a 10^12 vocabulary,
+# 10^9 layers, 10^15 positions) exceeds one, so a hostile or corrupt config.json fails here, with
+# the field named, rather than in an allocation.
+MAX_VOCAB_SIZE = 2**22  # 16x the largest real vocabulary
+MAX_HIDDEN_SIZE = 2**16
+MAX_INTERMEDIATE_SIZE = 2**18
+MAX_NUM_LAYERS = 1024
+MAX_NUM_HEADS = 1024  # for num_attention_heads and num_key_value_heads
+MAX_HEAD_DIM = 1024  # real models use 64 to 256
+MAX_POSITIONS = 2**24  # for max_position_embeddings and sliding_window
+# The cos and sin tables hold max_position_embeddings x head_dim fp32 values each: 2^31 of them
+# is 8 GiB a table, above Llama 4 Scout's 10M x 128.
+MAX_ROTARY_TABLE_ELEMENTS = 2**31
+MAX_NUM_PARAMETERS = 2**41  # about 2.2 trillion, five times Llama 3.1 405B
+# A model_type names a file (metrale/jinja-templates/<model_type>.jinja), so no path separators.
+_MODEL_TYPE = re.compile(r"[A-Za-z0-9_\-]*")
+_MISSING = object()
+
+
+class _ConfigFields:
+    """Reads config.json's values, each checked for its JSON type and range as it is read.
+
+    json.loads gives bool for true/false and int only for integer literals, so a string, a float
+    or a bool where a size belongs is refused rather than coerced; every error names the field.
+    """
+
+    def __init__(self, raw: dict[str, Any], source: str) -> None:
+        self.raw = raw
+        self.source = source
+
+    def fail(self, name: str, value: object, problem: str) -> ValueError:
+        shown = repr(value)
+        shown = shown if len(shown) <= 80 else shown[:77] + "..."
+        return ValueError(
+            f"{self.source}: {name}={shown} {problem}; the checkpoint's config.json is corrupt "
+            f"or not of a model metrale can load"
+        )
+
+    def get(self, name: str, default: object = _MISSING) -> Any:
+        """The field's value; null counts as absent, as transformers' configs read it."""
+        value = self.raw.get(name)
+        if value is not None:
+            return value
+        if default is _MISSING:
+            raise ValueError(f"{self.source} lacks the field {name!r} this architecture needs")
+        return default
+
+    def check_int(self, name: str, value: object, *, low: int, high: int) -> int:
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise self.fail(name, value, "is not an integer")
+        if not low <= value <= high:
+            raise self.fail(name, value, f"is out of range: must be in [{low:,}, {high:,}]")
+        return value
+
+    def read_int(self, name: str, *, high: int, low: int = 1, default: object = _MISSING) -> int:
+        return self.check_int(name, self.get(name, default), low=low, high=high)
+
+    def read_optional_int(self, name: str, *, high: int, low: int = 1) -> int | None:
+        value = self.raw.get(name)
+        return None if value is None else self.check_int(name, value, low=low, high=high)
+
+    def check_float(self, name: str, value: object, *, below: float = math.inf) -> float:
+        """A finite number in (0, below): epsilons, rope thetas and scaling factors."""
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            raise self.fail(name, value, "is not a number")
+        if not (math.isfinite(value) and 0 < value < below):
+            bound = "" if below == math.inf else f" and below {below}"
+            raise self.fail(name, value, f"is out of range: must be finite, positive{bound}")
+        return float(value)
+
+    def read_bool(self, name: str, default: bool) -> bool:
+        value = self.raw.get(name)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise self.fail(name, value, "is not true or false")
+        return value
+
+
 @dataclass(frozen=True)
 class RopeConfig:
     """Rotary embedding parameters, in the Hugging Face `rope_parameters` vocabulary."""
@@ -75,25 +160,46 @@ class RopeConfig:
     SUPPORTED = ("default", "linear", "llama3")
 
     @classmethod
-    def from_hf(cls, raw: dict[str, Any]) -> RopeConfig:
+    def from_hf(cls, raw: dict[str, Any], source: str = "config.json") -> RopeConfig:
         # transformers >= 5 writes `rope_parameters`; older checkpoints write `rope_theta` plus an
         # optional `rope_scaling` dict whose type key is `rope_type` or, older still, `type`.
-        params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
-        theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+        key = "rope_parameters" if raw.get("rope_parameters") else "rope_scaling"
+        params = raw.get(key) or {}
+        fields = _ConfigFields(raw, source)
+        if not isinstance(params, dict):
+            raise fields.fail(key, params, "is not an object")
+        scaling = _ConfigFields(params, source)
+        theta = scaling.get("rope_theta", fields.get("rope_theta", 10000.0))
         rope_type = params.get("rope_type", params.get("type", "default"))
         if rope_type not in cls.SUPPORTED:
             raise ValueError(
                 f"rope_type={rope_type!r} in config.json is not supported yet "
                 f"(supported: {', '.join(cls.SUPPORTED)})"
             )
-        return cls(
-            theta=float(theta),
+        rope = cls(
+            theta=fields.check_float(
+                f"{key}.rope_theta" if "rope_theta" in params else "rope_theta", theta
+            ),
             rope_type=rope_type,
-            factor=float(params.get("factor", 1.0)),
-            low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-            high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=params.get("original_max_position_embeddings"),
+            factor=fields.check_float(f"{key}.factor", scaling.get("factor", 1.0)),
+            low_freq_factor=fields.check_float(
+                f"{key}.low_freq_factor", scaling.get("low_freq_factor", 1.0)
+            ),
+            high_freq_factor=fields.check_float(
+                f"{key}.high_freq_factor", scaling.get("high_freq_factor", 4.0)
+            ),
+            original_max_position_embeddings=scaling.read_optional_int(
+                "original_max_position_embeddings", high=MAX_POSITIONS
+            ),
         )
+        # Llama 3's scaling blends between the two factors, dividing by their difference.
+        if rope.rope_type == "llama3" and not rope.high_freq_factor > rope.low_freq_factor:
+            raise fields.fail(
+                f"{key}.high_freq_factor",
+                rope.high_freq_factor,
+                f"must exceed low_freq_factor ({rope.low_freq_factor}) for llama3 scaling",
+            )
+        return rope
 
 
 @dataclass(frozen=True)
@@ -133,41 +239,101 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
+        """Parse and check config.json; a ValueError names the field that is missing or absurd."""
+        if not isinstance(raw, dict):
+            raise ValueError(f"{source} must hold a JSON object, got {type(raw).__name__}")
         architectures = raw.get("architectures") or []
         if not architectures:
             raise ValueError(f"{source} names no `architectures`: cannot tell which model to build")
-        try:
-            num_heads = int(raw["num_attention_heads"])
-            hidden_size = int(raw["hidden_size"])
-            eos = raw.get("eos_token_id")
-            eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-            # Qwen2 checkpoints carry a `sliding_window` they do not use unless told to.
-            sliding_window = raw.get("sliding_window")
-            if raw.get("use_sliding_window") is False:
-                sliding_window = None
-            return cls(
-                architecture=architectures[0],
-                model_type=raw.get("model_type", ""),
-                vocab_size=int(raw["vocab_size"]),
-                hidden_size=hidden_size,
-                intermediate_size=int(raw["intermediate_size"]),
-                num_layers=int(raw["num_hidden_layers"]),
-                num_heads=num_heads,
-                num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
-                head_dim=int(raw.get("head_dim") or hidden_size // num_heads),
-                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-                rope=RopeConfig.from_hf(raw),
-                max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
-                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-                attention_bias=bool(raw.get("attention_bias", False)),
-                sliding_window=int(sliding_window) if sliding_window else None,
-                dtype=parse_dtype(str(raw.get("torch_dtype") or raw.get("dtype") or "float32")),
-                eos_token_ids=eos_ids,
+        fields = _ConfigFields(raw, source)
+        if not isinstance(architectures, list) or not all(
+            isinstance(name, str) for name in architectures
+        ):
+            raise fields.fail("architectures", architectures, "is not a list of names")
+        model_type = raw.get("model_type") or ""
+        if not isinstance(model_type, str) or not _MODEL_TYPE.fullmatch(model_type):
+            raise fields.fail("model_type", model_type, "is not a plain name")
+        vocab_size = fields.read_int("vocab_size", high=MAX_VOCAB_SIZE)
+        hidden_size = fields.read_int("hidden_size", high=MAX_HIDDEN_SIZE)
+        num_heads = fields.read_int("num_attention_heads", high=MAX_NUM_HEADS)
+        num_kv_heads = fields.read_optional_int("num_key_value_heads", high=MAX_NUM_HEADS)
+        if num_kv_heads is None:
+            num_kv_heads = num_heads
+        elif num_heads % num_kv_heads:
+            raise fields.fail(
+                "num_key_value_heads",
+                num_kv_heads,
+                f"does not divide num_attention_heads={num_heads}: each kv head serves a whole "
+                f"group of query heads",
             )
-        except KeyError as e:
+        head_dim = fields.read_optional_int("head_dim", high=MAX_HEAD_DIM)
+        if head_dim is None:  # implied by the hidden size, which must then split evenly
+            if hidden_size % num_heads:
+                raise fields.fail(
+                    "hidden_size",
+                    hidden_size,
+                    f"is not divisible by num_attention_heads={num_heads} (and no head_dim is "
+                    f"given)",
+                )
+            head_dim = fields.check_int(
+                "head_dim", hidden_size // num_heads, low=1, high=MAX_HEAD_DIM
+            )
+        if head_dim % 2:
+            raise fields.fail("head_dim", head_dim, "is odd: rotary embeddings rotate pairs")
+        max_positions = fields.read_int("max_position_embeddings", high=MAX_POSITIONS, default=4096)
+        if max_positions * head_dim > MAX_ROTARY_TABLE_ELEMENTS:
+            raise fields.fail(
+                "max_position_embeddings",
+                max_positions,
+                f"times head_dim={head_dim} exceeds {MAX_ROTARY_TABLE_ELEMENTS:,}: the rotary "
+                f"tables would not fit in memory",
+            )
+        # Qwen2 checkpoints carry a `sliding_window` they do not use unless told to.
+        sliding_window = None
+        if raw.get("use_sliding_window") is not False and raw.get("sliding_window"):
+            sliding_window = fields.read_int("sliding_window", high=MAX_POSITIONS)
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        for eos_id in eos_ids:
+            fields.check_int("eos_token_id", eos_id, low=0, high=vocab_size - 1)
+        dtype = raw.get("torch_dtype") or raw.get("dtype") or "float32"
+        if not isinstance(dtype, str):
+            raise fields.fail("torch_dtype", dtype, "is not a dtype name")
+        config = cls(
+            architecture=architectures[0],
+            model_type=model_type,
+            vocab_size=vocab_size,
+            hidden_size=hidden_size,
+            intermediate_size=fields.read_int("intermediate_size", high=MAX_INTERMEDIATE_SIZE),
+            num_layers=fields.read_int("num_hidden_layers", high=MAX_NUM_LAYERS),
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=fields.check_float(
+                "rms_norm_eps", fields.get("rms_norm_eps", 1e-6), below=1.0
+            ),
+            rope=RopeConfig.from_hf(raw, source),
+            max_position_embeddings=max_positions,
+            tie_word_embeddings=fields.read_bool("tie_word_embeddings", False),
+            attention_bias=fields.read_bool("attention_bias", False),
+            sliding_window=sliding_window,
+            dtype=parse_dtype(dtype),
+            eos_token_ids=eos_ids,
+        )
+        if config.num_parameters > MAX_NUM_PARAMETERS:
             raise ValueError(
-                f"{source} lacks the field {e.args[0]!r} this architecture needs"
-            ) from e
+                f"{source} describes a model of {config.num_parameters:,} parameters (above "
+                f"{MAX_NUM_PARAMETERS:,}): its sizes are corrupt"
+            )
+        return config
+
+    @property
+    def num_parameters(self) -> int:
+        """Weights of the matrices (norms and biases, a rounding error, left out)."""
+        embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        attention = self.hidden_size * (2 * self.q_size + 2 * self.kv_size)
+        mlp = 3 * self.hidden_size * self.intermediate_size
+        return embeddings + self.num_layers * (attention + mlp)
 
     @property
     def q_size(self) -> int:

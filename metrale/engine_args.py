@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,8 @@ from metrale.config import (
 )
 from metrale.generation_config import GenerationDefaults
 from metrale.layers.attention import resolve_backend
+
+logger = logging.getLogger(__name__)
 
 _SIZE_UNITS = {
     "": 1,
@@ -303,7 +306,7 @@ class EngineArgs:
             model_dir=model_dir,
             model_name=demo.MODEL_NAME if is_demo else (self.model or str(model_dir)),
             model=model_config,
-            generation=GenerationDefaults.from_dir(model_dir),
+            generation=_generation_defaults(model_dir, model_config),
             dtype=dtype,
             device=device,
             load_format=self.load_format,
@@ -312,7 +315,7 @@ class EngineArgs:
             scheduler=scheduler,
             chat_template=Path(self.chat_template) if self.chat_template else None,
             is_demo=is_demo,
-            tokenizer_eos_token_id=_tokenizer_eos(model_dir),
+            tokenizer_eos_token_id=_tokenizer_eos(model_dir, model_config),
             attention_backend=resolve_backend(self.attention_backend, device),
             max_cuda_graph_batch=0
             if self.enforce_eager or device.type != "cuda"
@@ -322,12 +325,45 @@ class EngineArgs:
         )
 
 
-def _tokenizer_eos(model_dir: Path) -> int | None:
+def _tokenizer_eos(model_dir: Path, model: ModelConfig) -> int | None:
+    """The tokenizer's EOS id, once the tokenizer is checked to fit the model's vocabulary."""
     if not (model_dir / "tokenizer.json").is_file():
         return None  # dummy-weight benchmarks may ship config.json alone
     from metrale.tokenizer import Tokenizer
 
-    return Tokenizer.from_dir(model_dir).eos_token_id
+    tokenizer = Tokenizer.from_dir(model_dir)
+    tokenizer.check_fits_vocab(model.vocab_size)
+    eos_id = tokenizer.eos_token_id
+    if eos_id is not None and eos_id >= model.vocab_size:
+        # An added token past the embedding: the model can never sample it, and masking it
+        # (min_tokens) would index past the logits.
+        logger.warning(
+            "the tokenizer's EOS token id %d is outside the model's vocabulary of %d: ignoring it",
+            eos_id,
+            model.vocab_size,
+        )
+        return None
+    return eos_id
+
+
+def _generation_defaults(model_dir: Path, model: ModelConfig) -> GenerationDefaults:
+    """generation_config.json's defaults, checked now so that no request fails on them later."""
+    from metrale.sampling_params import SamplingParams
+
+    defaults = GenerationDefaults.from_dir(model_dir)
+    path = model_dir / "generation_config.json"
+    bad_eos = [t for t in defaults.eos_token_ids if t >= model.vocab_size]
+    if bad_eos:
+        raise ValueError(
+            f"{path}: eos_token_id {bad_eos[0]} is outside the model's vocabulary of "
+            f"{model.vocab_size} tokens (config.json vocab_size): the files come from different "
+            f"models"
+        )
+    try:
+        SamplingParams(**defaults.sampling_overrides())
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{path} holds sampling defaults no request could use: {e}") from e
+    return defaults
 
 
 def _resolve_device(name: str) -> torch.device:

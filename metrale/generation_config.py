@@ -25,8 +25,16 @@ class GenerationDefaults:
             raw: dict[str, Any] = json.loads(path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ValueError(f"{path} is not valid JSON ({e}): fix or delete it") from e
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path} must hold a JSON object, got {type(raw).__name__}")
         eos = raw.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        for eos_id in eos_ids:
+            if not isinstance(eos_id, int) or isinstance(eos_id, bool) or eos_id < 0:
+                raise ValueError(
+                    f"{path}: eos_token_id {eos_id!r} is not a token id (a non-negative "
+                    f"integer): fix or delete the file"
+                )
         sampled = raw.get("do_sample", True)
         return cls(
             eos_token_ids=eos_ids,

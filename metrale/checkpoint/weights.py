@@ -8,6 +8,7 @@ checkpoint fails in milliseconds with one message naming the file, not minutes i
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from tqdm import tqdm
+
+from metrale.config import MAX_NUM_PARAMETERS
 
 FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
@@ -130,7 +133,15 @@ def iter_dummy_tensors(
     """Random weights of the checkpoint's shapes, drawn on `device`, for benchmarks and the demo.
 
     Norm weights are ones, as a trained model's are near one; everything else is normal noise.
+    The shapes come from a checked config.json; their total is checked again here, before the
+    first tensor, so that no config built around that check can ask for an absurd allocation.
     """
+    num_parameters = sum(math.prod(shape) for shape in expected.values())
+    if num_parameters > MAX_NUM_PARAMETERS:
+        raise CheckpointError(
+            f"the model's shapes hold {num_parameters:,} parameters, above "
+            f"{MAX_NUM_PARAMETERS:,}: its config is corrupt, no dummy weights drawn"
+        )
     generator = torch.Generator(device=device).manual_seed(seed)
     for name, shape in expected.items():
         if name.endswith("norm.weight"):

@@ -1,24 +1,39 @@
 """Chat template resolution and rendering.
 
-A checkpoint's chat template is untrusted Jinja code from the Hub, so it renders in jinja2's
-immutable sandbox, with the globals and filters Hugging Face templates expect. Rendering
-matches transformers' ``apply_chat_template(..., tokenize=False)``: same message
-normalization, same variables, same ``continue_final_message`` cut.
+A checkpoint's chat template is untrusted Jinja code from the Hub, so it compiles and renders in
+`TemplateSandbox` (jinja2's immutable sandbox with a time and size budget per render), with the
+globals and filters Hugging Face templates expect. Rendering matches transformers'
+``apply_chat_template(..., tokenize=False)``: same message normalization, same variables, same
+``continue_final_message`` cut.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import jinja2
-import jinja2.ext
-import jinja2.utils
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from metrale.tokenizer.template_sandbox import (
+    ChatTemplateBudgetError,
+    ChatTemplateError,
+    ChatTemplateSecurityError,
+    RenderLimits,
+    TemplateSandbox,
+)
+
+__all__ = [
+    "ChatTemplate",
+    "ChatTemplateBudgetError",
+    "ChatTemplateError",
+    "ChatTemplateSecurityError",
+    "RenderLimits",
+    "TemplateSource",
+    "package_template_path",
+    "resolve_chat_template",
+]
 
 CHECKPOINT_TEMPLATE_FILE = "chat_template.jinja"
 PACKAGE_TEMPLATES_DIR = "jinja-templates"
@@ -30,95 +45,12 @@ _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 
 
-class ChatTemplateError(ValueError):
-    """The template cannot render this conversation (or there is no template): a client error."""
-
-
 @dataclass(frozen=True)
 class TemplateSource:
     """One template's text and where it came from, so errors can point at the file to fix."""
 
     text: str
     origin: str
-
-
-class _TemplateDict:
-    """The template's ``dict``: the builtin's constructors without access to the type itself."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> dict:
-        return dict(*args, **kwargs)
-
-    def fromkeys(self, *args: Any, **kwargs: Any) -> dict:
-        return dict.fromkeys(*args, **kwargs)
-
-
-class _TemplateNamespace(jinja2.utils.Namespace):
-    """A ``namespace()`` that refuses underscore names, which the sandbox does not check on set."""
-
-    def __init__(*args: Any, **kwargs: Any) -> None:
-        # Positional self, as in jinja2's Namespace, so that namespace(self=...) still works.
-        self, args = args[0], args[1:]
-        attrs = dict(*args, **kwargs)
-        for name in attrs:
-            _TemplateNamespace._check_name(name)
-        jinja2.utils.Namespace.__init__(self, attrs)
-
-    def __setitem__(self, name: str, value: Any) -> None:
-        _TemplateNamespace._check_name(name)
-        jinja2.utils.Namespace.__setitem__(self, name, value)
-
-    @staticmethod
-    def _check_name(name: object) -> None:
-        if isinstance(name, str) and name.startswith("_"):
-            raise jinja2.exceptions.SecurityError(
-                f"chat templates cannot set underscore attributes on a namespace ({name!r})"
-            )
-
-
-def _raise_exception(message: str) -> None:
-    raise ChatTemplateError(f"chat template rejected the conversation: {message}")
-
-
-def _tojson(
-    value: Any,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators: tuple[str, str] | None = None,
-    sort_keys: bool = False,
-) -> str:
-    # Unlike jinja2's builtin, no HTML escaping: prompts must contain the JSON verbatim.
-    return json.dumps(
-        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
-def _strftime_now(date_format: str) -> str:
-    return datetime.now().strftime(date_format)
-
-
-class _Sandbox(ImmutableSandboxedEnvironment):
-    """jinja2's immutable sandbox, failing loudly where it would render an unsafe attribute empty.
-
-    A template that reaches for ``__globals__`` is hostile or broken; either way the request
-    should fail rather than render a prompt with a silent hole in it.
-    """
-
-    def unsafe_undefined(self, obj: Any, attribute: str) -> jinja2.Undefined:
-        raise jinja2.exceptions.SecurityError(
-            f"access to attribute {attribute!r} of {type(obj).__name__!r} object is unsafe"
-        )
-
-
-def _environment() -> ImmutableSandboxedEnvironment:
-    environment = _Sandbox(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-    )
-    environment.filters["tojson"] = _tojson
-    environment.globals["raise_exception"] = _raise_exception
-    environment.globals["strftime_now"] = _strftime_now
-    environment.globals["dict"] = _TemplateDict()
-    environment.globals["namespace"] = _TemplateNamespace
-    return environment
 
 
 def _plain_data(value: Any) -> Any:
@@ -199,20 +131,17 @@ class ChatTemplate:
         sources: Mapping[str, TemplateSource],
         *,
         missing_hint: str = "the model has no chat template; pass --chat-template FILE",
+        limits: RenderLimits | None = None,
     ) -> None:
-        """``missing_hint`` is the error for rendering when ``sources`` is empty."""
+        """``missing_hint`` is the error for rendering when ``sources`` is empty; ``limits``
+        bound each render's time and size (RenderLimits' defaults if None)."""
         self.sources = dict(sources)
         self._missing_hint = missing_hint
-        environment = _environment()
-        self._templates: dict[str, jinja2.Template] = {}
-        for name, source in self.sources.items():
-            try:
-                self._templates[name] = environment.from_string(source.text)
-            except jinja2.TemplateSyntaxError as error:
-                raise ValueError(
-                    f"chat template from {source.origin} has a syntax error on line "
-                    f"{error.lineno}: {error.message}; fix it or pass --chat-template FILE"
-                ) from error
+        self._sandbox = TemplateSandbox(limits)
+        self._templates: dict[str, jinja2.Template] = {
+            name: self._sandbox.compile_template(source.text, source.origin)
+            for name, source in self.sources.items()
+        }
 
     @classmethod
     def from_string(cls, text: str, *, origin: str = "string") -> ChatTemplate:
@@ -237,7 +166,8 @@ class ChatTemplate:
         after the final message's content, so the model continues that message; it overrides
         ``add_generation_prompt``. ``template_kwargs`` become template variables (the special
         tokens, ``enable_thinking``, ...). Raises ChatTemplateError when the template rejects
-        the conversation or cannot render it.
+        the conversation or cannot render it, and a ChatTemplateBudgetError (a subclass) when
+        the render runs past its time or size budget.
         """
         name = self._select(tools)
         template, origin = self._templates[name], self.sources[name].origin
@@ -248,16 +178,14 @@ class ChatTemplate:
                 raise ChatTemplateError("continue_final_message is set but there are no messages")
             final_text = _tag_final_content(chat[-1])
             add_generation_prompt = False
-        variables = {"documents": None, **_plain_data(template_kwargs)}
-        try:
-            rendered = template.render(
-                messages=chat,
-                tools=_plain_data(tools),
-                add_generation_prompt=add_generation_prompt,
-                **variables,
-            )
-        except jinja2.TemplateError as error:
-            raise ChatTemplateError(f"chat template from {origin} failed: {error}") from error
+        variables = {
+            "documents": None,
+            **_plain_data(template_kwargs),
+            "messages": chat,
+            "tools": _plain_data(tools),
+            "add_generation_prompt": add_generation_prompt,
+        }
+        rendered = self._sandbox.render_template(template, variables, origin)
         if final_text is None:
             return rendered
         return _cut_after_final_content(rendered, final_text, origin)

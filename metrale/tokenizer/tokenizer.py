@@ -34,6 +34,8 @@ def _extra_special_tokens(raw: Mapping[str, Any], path: Path) -> tuple[str, ...]
     contents: list[str] = []
     for key in ("additional_special_tokens", "extra_special_tokens"):
         entries = raw.get(key) or []
+        if not isinstance(entries, list | dict):
+            raise ValueError(f"{path}: {key} must be a list or an object, got {entries!r}")
         for entry in entries.values() if isinstance(entries, dict) else entries:
             content = _token_content(entry, key=key, path=path)
             if content is not None:
@@ -79,11 +81,19 @@ class TokenizerConfig:
             return cls()
         try:
             raw = json.loads(path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as error:
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
             raise ValueError(f"{path} is not valid JSON: {error}") from error
         if not isinstance(raw, dict):
             raise ValueError(f"{path} must hold a JSON object, got {type(raw).__name__}")
         decoder = raw.get("added_tokens_decoder") or {}
+        if not isinstance(decoder, dict) or not all(
+            isinstance(key, str) and key.isdigit() and isinstance(entry, dict)
+            for key, entry in decoder.items()
+        ):
+            raise ValueError(
+                f"{path}: added_tokens_decoder must map token ids to token objects "
+                '({"151643": {"content": ...}, ...})'
+            )
         return cls(
             bos_token=_token_content(raw.get("bos_token"), key="bos_token", path=path),
             eos_token=_token_content(raw.get("eos_token"), key="eos_token", path=path),
@@ -199,7 +209,10 @@ class Tokenizer:
         try:
             backend = tokenizers.Tokenizer.from_file(str(tokenizer_path))
         except Exception as error:  # the Rust side raises plain Exception
-            raise ValueError(f"{tokenizer_path} could not be loaded: {error}") from error
+            raise ValueError(
+                f"{tokenizer_path} is not a tokenizer the tokenizers library can load ({error}); "
+                "the file is corrupt or truncated: re-download the checkpoint"
+            ) from error
         config = TokenizerConfig.from_file(model_dir / TOKENIZER_CONFIG_FILE)
         _apply_config_tokens(backend, config)
         chat_template = resolve_chat_template(
@@ -237,6 +250,36 @@ class Tokenizer:
     def vocab_size(self) -> int:
         """Number of token ids, added tokens included: the smallest valid logits width."""
         return self._backend.get_vocab_size(with_added_tokens=True)
+
+    def check_fits_vocab(self, model_vocab_size: int) -> None:
+        """Refuse a tokenizer whose ordinary tokens have ids past the model's embedding rows.
+
+        Such a tokenizer belongs to another model: plain text would encode to ids the model
+        cannot embed. Added tokens past the embedding are a known quirk of real checkpoints (a
+        pad token the config declares, never fed to the model), so they only warn; a prompt
+        holding one is refused per request.
+        """
+        base_ids = self._backend.get_vocab(with_added_tokens=False).values()
+        max_base_id = max(base_ids, default=-1)
+        if max_base_id >= model_vocab_size:
+            raise ValueError(
+                f"the tokenizer's vocabulary has ids up to {max_base_id:,} but the model's "
+                f"config.json has vocab_size={model_vocab_size:,}: tokenizer.json and "
+                f"config.json come from different models"
+            )
+        beyond = [
+            token.content
+            for token_id, token in self._backend.get_added_tokens_decoder().items()
+            if token_id >= model_vocab_size
+        ]
+        if beyond:
+            logger.warning(
+                "%d added token(s) have ids past the model's vocab_size=%d (%s): prompts "
+                "holding them will be refused",
+                len(beyond),
+                model_vocab_size,
+                ", ".join(beyond[:5]),
+            )
 
     @property
     def bos_token_id(self) -> int | None:
