@@ -125,3 +125,34 @@ def test_past_the_queue_bound_requests_are_shed_with_retry_after(guarded):
                 assert error["error"]["code"] == "server_overloaded"
     memory = httpx.get(guarded.base_url + "/memory", headers=headers(FLAG_KEY)).json()
     assert memory["kv_cache"]["blocks_used"] == 0
+
+
+def test_a_hostile_chat_template_is_stopped_and_the_server_stays_up(qwen3_dir, tmp_path):
+    endless = tmp_path / "endless.jinja"
+    endless.write_text(
+        "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    )
+    running = start_server(qwen3_dir, tmp_path / "server.log", "--chat-template", str(endless))
+    try:
+        chat = {"model": MODEL_NAME, "messages": USER, "max_tokens": 2}
+        response = httpx.post(running.api_url + "/chat/completions", json=chat, timeout=30)
+        assert response.status_code == 400
+        assert "budget" in response.json()["error"]["message"]
+        assert httpx.get(running.base_url + "/health").status_code == 200
+        completion = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2}
+        assert httpx.post(running.api_url + "/completions", json=completion).status_code == 200
+    finally:
+        assert stop_server(running) == 0, running.log()
+
+    reader = tmp_path / "reader.jinja"
+    reader.write_text("{% include '/etc/passwd' %}")
+    cmd = [sys.executable, "-m", "metrale", "serve", "--model-from-path", str(qwen3_dir)]
+    done = subprocess.run(
+        [*cmd, "--chat-template", str(reader), "--port", str(free_port())],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert "cannot read other templates or files" in done.stderr
+    assert "root:" not in done.stderr + done.stdout
