@@ -13,6 +13,7 @@ from metrale.server.anthropic import messages as anthropic_messages
 from metrale.server.anthropic.errors import shaped_response
 from metrale.server.errors import APIError, http_status_error
 from metrale.server.openai import chat, completions, models
+from metrale.server.openapi import describe_request_bodies
 from metrale.server.security.middleware import EdgeMiddleware
 from metrale.server.state import ServerState
 
@@ -23,6 +24,7 @@ def build_app(state: ServerState) -> FastAPI:
     for router in (chat.router, completions.router, models.router, ops.router):
         app.include_router(router)
     app.include_router(anthropic_messages.router)
+    describe_request_bodies(app)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError) -> JSONResponse:

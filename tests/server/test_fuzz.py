@@ -6,7 +6,8 @@ Bodies start from a valid request of the route and take up to four mutations: a 
 a hostile value (integers past int64, lone surrogates, NaN, huge or empty strings, deep or
 wrong-typed structures), a field dropped, a nested field (a message's content, a tool's name)
 replaced; a few are raw bytes that are not JSON at all. The default run sends 1,000 bodies;
-`-m slow` sends 6,000.
+`-m slow` sends 6,000. schemathesis adds bodies drawn from each route's schema in the server's
+OpenAPI document, valid ones and ones that break it.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import time
 
 import httpx
 import pytest
+import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -200,15 +202,15 @@ def requests(draw) -> tuple[str, str, bytes, bool]:
     return name, path, json.dumps(body, allow_nan=True).encode(), streamed
 
 
-def _check_shape(path: str, response: httpx.Response, text: str) -> None:
-    assert response.status_code < 500, (path, response.status_code, text[:500])
-    if response.status_code >= 400:
+def _check_shape(path: str, status: int, content_type: str, text: str) -> None:
+    assert status < 500, (path, status, text[:500])
+    if status >= 400:
         body = json.loads(text)
         if path.startswith("/v1/messages"):
             assert body["type"] == "error" and set(body["error"]) >= {"type", "message"}, text
         else:
             assert set(body["error"]) >= {"message", "type", "param", "code"}, text
-    elif response.headers.get("content-type", "").startswith("text/event-stream"):
+    elif content_type.startswith("text/event-stream"):
         assert "data: [DONE]" in text or "event: message_stop" in text, text[-500:]
         assert '"type":"server_error"' not in text and '"api_error"' not in text, text[-500:]
 
@@ -230,7 +232,7 @@ def _fuzz(server, examples: int) -> None:
         headers = {"content-type": "application/json"}
         with client.stream("POST", path, content=content, headers=headers) as response:
             text = response.read().decode("utf-8")
-        _check_shape(path, response, text)
+        _check_shape(path, response.status_code, response.headers.get("content-type", ""), text)
 
     one()
     assert len(sent) >= examples
@@ -268,3 +270,21 @@ def test_hostile_bodies_never_reach_a_5xx(fuzz_server):
 @pytest.mark.slow
 def test_hostile_bodies_never_reach_a_5xx_long(fuzz_server):
     _fuzz(fuzz_server, 6000)
+
+
+@pytest.fixture(scope="module")
+def api_schema(fuzz_server):
+    """The server's own OpenAPI document: every route's body schema (server/openapi.py)."""
+    return schemathesis.openapi.from_url(fuzz_server.base_url + "/openapi.json")
+
+
+schema = schemathesis.pytest.from_fixture("api_schema")
+
+
+@schema.include(method="POST").parametrize()
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+def test_schema_driven_bodies_never_reach_a_5xx(case):
+    """schemathesis draws bodies from each route's schema, valid and not: none is a 5xx."""
+    response = case.call(timeout=60)
+    content_type = (response.headers.get("content-type") or [""])[0]
+    _check_shape(case.operation.path, response.status_code, content_type, response.text)
