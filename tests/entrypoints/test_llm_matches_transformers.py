@@ -8,72 +8,16 @@ shared prefixes served from the prefix cache.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from pathlib import Path
-
 import pytest
 import torch
 
 from metrale import LLM, SamplingParams
 from metrale.layers.attention import to_cache_dtype
 from tests.conftest import build_checkpoint
+from tests.fidelity import NEAR_TIE, assert_greedy_match, hf_greedy
 
 MAX_NEW_TOKENS = 24
-NEAR_TIE = 1e-4  # a top-2 logit gap this small may flip with any change of summation order
 LOGPROB_TOL = 1e-3
-
-
-@dataclass(frozen=True)
-class Reference:
-    token_ids: list[int]
-    logprobs: list[torch.Tensor]  # [vocab] log-softmax at each generated position
-
-    def top2_gap(self, step: int) -> float:
-        top2 = self.logprobs[step].topk(2).values
-        return float(top2[0] - top2[1])
-
-
-def hf_greedy(
-    model_dir: Path, prompts: list[list[int]], dtype=torch.float32, attn_implementation="sdpa"
-) -> list[Reference]:
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=dtype, attn_implementation=attn_implementation
-    ).eval()
-    model.generation_config.eos_token_id = None
-    refs = []
-    for prompt in prompts:
-        out = model.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=MAX_NEW_TOKENS,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-            pad_token_id=0,
-        )
-        refs.append(
-            Reference(
-                out.sequences[0, len(prompt) :].tolist(),
-                [torch.log_softmax(step[0].float(), dim=-1) for step in out.logits],
-            )
-        )
-    return refs
-
-
-def assert_greedy_match(ours: list[int], ref: Reference, what: str) -> int:
-    """Tokens must be equal; the only excuse for a difference is a near tie in the reference,
-    which is named in the failure-free path so it is visible. Returns the steps compared."""
-    for step, (a, b) in enumerate(zip(ours, ref.token_ids, strict=True)):
-        if a != b:
-            gap = ref.top2_gap(step)
-            assert gap < NEAR_TIE, (
-                f"{what}: token {step} is {a}, transformers gives {b} "
-                f"(top-2 gap {gap:.3g} is no tie)"
-            )
-            print(f"{what}: near tie at step {step} (gap {gap:.2e}); compared up to it")
-            return step
-    return len(ours)
 
 
 def prompts_of(lengths, seed=0, vocab=4000, prefix=None):
@@ -90,7 +34,7 @@ LENGTHS = (5, 17, 40, 33, 64, 1)
 def case(request, tmp_path_factory):
     model_dir = build_checkpoint(tmp_path_factory.mktemp(request.param), request.param)
     prompts = prompts_of(LENGTHS)
-    return model_dir, prompts, hf_greedy(model_dir, prompts)
+    return model_dir, prompts, hf_greedy(model_dir, prompts, MAX_NEW_TOKENS)
 
 
 def check(outputs, refs, what, logprob_tol=LOGPROB_TOL):
@@ -159,7 +103,7 @@ def test_shared_prefixes_hit_the_cache(case, tmp_path):
     model_dir, _, _ = case
     prefix = prompts_of([40], seed=7)[0]
     prompts = prompts_of((3, 9, 20), seed=8, prefix=prefix)
-    refs = hf_greedy(model_dir, prompts)
+    refs = hf_greedy(model_dir, prompts, MAX_NEW_TOKENS)
     llm = LLM(model_from_path=str(model_dir), dtype="float32")
     first = llm.generate(prompts[:1], GREEDY, use_tqdm=False)
     rest = llm.generate(prompts[1:], GREEDY, use_tqdm=False)
@@ -189,7 +133,7 @@ def test_fp8_kv_cache(case, scheduling):
 
     model_dir, prompts, refs = case
     AttentionInterface.register("sdpa_over_fp8_kv", sdpa_over_fp8_kv)
-    fp8_refs = hf_greedy(model_dir, prompts, attn_implementation="sdpa_over_fp8_kv")
+    fp8_refs = hf_greedy(model_dir, prompts, MAX_NEW_TOKENS, attn_implementation="sdpa_over_fp8_kv")
     llm = LLM(
         model_from_path=str(model_dir),
         dtype="float32",
@@ -214,7 +158,7 @@ def test_fp8_kv_cache(case, scheduling):
 def test_other_families(arch, tmp_path):
     model_dir = build_checkpoint(tmp_path, arch)
     prompts = prompts_of((6, 30))
-    refs = hf_greedy(model_dir, prompts)
+    refs = hf_greedy(model_dir, prompts, MAX_NEW_TOKENS)
     llm = LLM(model_from_path=str(model_dir), dtype="float32", max_prefill_tokens=16)
     check(llm.generate(prompts, GREEDY, use_tqdm=False), refs, arch)
 
@@ -230,7 +174,7 @@ def test_llama3_rope_scaling_and_tied_embeddings(tmp_path):
     }
     model_dir = build_checkpoint(tmp_path, "llama", rope_parameters=rope, tie_word_embeddings=True)
     prompts = prompts_of((12, 50))
-    refs = hf_greedy(model_dir, prompts)
+    refs = hf_greedy(model_dir, prompts, MAX_NEW_TOKENS)
     llm = LLM(model_from_path=str(model_dir), dtype="float32")
     assert llm.engine.runner.model.lm_head is None
     check(llm.generate(prompts, GREEDY, use_tqdm=False), refs, "llama3 rope")
@@ -239,7 +183,7 @@ def test_llama3_rope_scaling_and_tied_embeddings(tmp_path):
 def test_bfloat16_stays_close(tmp_path):
     model_dir = build_checkpoint(tmp_path, "qwen3", dtype=torch.bfloat16)
     prompts = prompts_of((8, 21))
-    refs = hf_greedy(model_dir, prompts, dtype=torch.bfloat16)
+    refs = hf_greedy(model_dir, prompts, MAX_NEW_TOKENS, dtype=torch.bfloat16)
     llm = LLM(model_from_path=str(model_dir))
     assert llm.config.dtype is torch.bfloat16
     for out, ref in zip(llm.generate(prompts, GREEDY, use_tqdm=False), refs, strict=True):

@@ -1,4 +1,16 @@
-"""The engine on a GPU (triton kernels, CUDA graphs) agrees with the CPU reference path."""
+"""The engine on a GPU (triton kernels, CUDA graphs) agrees with the CPU reference path in fp32,
+and with transformers on the same GPU in bf16.
+
+Tokens and logprobs are compared by tests/fidelity.py's rule: a divergence is accepted only
+where the reference's top-two logprob gap is under the comparison's tolerance (then that
+sequence stops), and logprobs are compared for the same token only.
+
+Everything here is marked `gpu` but one case: on a GPU machine the default `pytest` (which
+deselects `gpu`) still runs the triton engine path once, in
+`test_triton_backend_matches_the_cpu_reference[llama-cuda-graphs-auto]`.
+tests/kernels/test_triton_backend_engine.py runs that path on CPU in Triton's interpreter and
+skips where there is a GPU.
+"""
 
 from __future__ import annotations
 
@@ -7,23 +19,37 @@ import torch
 
 from metrale import LLM, SamplingParams
 from tests.conftest import build_checkpoint
+from tests.fidelity import EngineReference, assert_close_to_reference, hf_greedy
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-PARAMS = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=1)
+# logprobs=2: the reference's top two, for its gap where a token differs.
+PARAMS = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2)
 
 
-def prompts(lengths: tuple[int, ...]) -> list[list[int]]:
-    g = torch.Generator().manual_seed(3)
+def prompts(lengths: tuple[int, ...], seed: int = 3) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
     return [torch.randint(10, 4000, (n,), generator=g).tolist() for n in lengths]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-@pytest.mark.parametrize("eager", [True, False], ids=["eager", "cuda-graphs"])
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+DEFAULT_RUN_CASE = ("llama", False, "auto")  # the one case the default `pytest` runs
+
+
+def triton_cases():
+    for kv_cache_dtype in ("auto", "fp8"):
+        for eager in (True, False):
+            for arch in ("llama", "qwen3"):
+                default_run = (arch, eager, kv_cache_dtype) == DEFAULT_RUN_CASE
+                yield pytest.param(
+                    arch,
+                    eager,
+                    kv_cache_dtype,
+                    id=f"{arch}-{'eager' if eager else 'cuda-graphs'}-{kv_cache_dtype}",
+                    marks=() if default_run else pytest.mark.gpu,
+                )
+
+
+@pytest.mark.parametrize(("arch", "eager", "kv_cache_dtype"), list(triton_cases()))
 def test_triton_backend_matches_the_cpu_reference(tmp_path, arch, eager, kv_cache_dtype):
     model_dir = build_checkpoint(tmp_path, arch)
     batch = prompts((5, 17, 40, 33, 64, 1))
@@ -48,16 +74,67 @@ def test_triton_backend_matches_the_cpu_reference(tmp_path, arch, eager, kv_cach
     assert gpu.engine.config.attention_backend == "triton"
     assert (gpu.engine.runner.graphs is None) == eager
     outputs = gpu.generate(batch, PARAMS, use_tqdm=False)
-    for ours, ref in zip(outputs, reference, strict=True):
-        a, b = ours.outputs[0], ref.outputs[0]
-        # tf32 matmuls on the GPU: compare until the first near tie, logprobs loosely.
-        for step, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=True)):
-            lp_gpu, lp_cpu = a.logprobs[step][x].logprob, b.logprobs[step][y].logprob
-            assert abs(lp_gpu - lp_cpu) < tolerance, (step, lp_gpu, lp_cpu)
-            if x != y:
-                break
+    matched = 0
+    for i, (ours, ref) in enumerate(zip(outputs, reference, strict=True)):
+        what = f"prompt {i}"
+        agreement = assert_close_to_reference(
+            ours.outputs[0], EngineReference(ref.outputs[0]), what, tolerance
+        )
+        print(f"{what}: {agreement}")
+        matched += agreement.matched
+    # Ties under the tolerance are rare at the test checkpoints' weight scale.
+    assert matched >= len(batch) * PARAMS.max_tokens * 3 // 4, matched
 
 
+# bf16 logits keep 8 bits of mantissa. The top logits of these checkpoints lie in [3.4, 6), where
+# a bf16 step is 2^-6 or 2^-5 (0.016 or 0.031), and the top two's gap is a multiple of such steps,
+# often 0 (an exact tie). On these prompts transformers' own bf16 `generate` is up to 0.076 off its
+# fp32 run of the same weights (CPU) and leaves it after 10 to 23 tokens for qwen3. On the H200
+# our logprobs were at most 0.064 (two steps) from transformers' and the sequences parted on ties
+# of gap 0 to 0.078 (bench/results/pytest_gpu-2026-12-01-80590a2.txt). The tolerance is a little
+# over three steps at the top, the 0.1 that the CPU bf16 test against transformers uses.
+BF16_TOLERANCE = 0.1
+BF16_NEW_TOKENS = 64
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_bfloat16_greedy_matches_transformers_on_the_gpu(tmp_path, arch):
+    """6 prompts x 64 greedy tokens of our fast path (bf16, triton kernels, CUDA graphs, async
+    scheduling) against transformers' `generate` in bf16 on the same GPU."""
+    model_dir = build_checkpoint(tmp_path, arch, dtype=torch.bfloat16)
+    batch = prompts((3, 11, 26, 47, 90, 150), seed=5)
+    refs = hf_greedy(model_dir, batch, BF16_NEW_TOKENS, dtype=torch.bfloat16, device="cuda")
+    llm = LLM(
+        model_from_path=str(model_dir),
+        dtype="bfloat16",
+        device="cuda",
+        attention_backend="triton",
+        scheduler_config="async",
+        max_prefill_tokens=64,  # the long prompts in chunks, beside the others' decodes
+        num_kv_blocks=128,
+    )
+    config = llm.engine.config
+    assert config.dtype is torch.bfloat16 and config.attention_backend == "triton"
+    assert config.async_scheduling and llm.engine.runner.graphs is not None
+    params = SamplingParams(
+        temperature=0.0, max_tokens=BF16_NEW_TOKENS, ignore_eos=True, logprobs=2
+    )
+    outputs = llm.generate(batch, params, use_tqdm=False)
+    matched = 0
+    for i, (out, ref) in enumerate(zip(outputs, refs, strict=True)):
+        assert len(out.outputs[0].token_ids) == BF16_NEW_TOKENS
+        what = f"{arch} bf16 prompt {i}"
+        agreement = assert_close_to_reference(out.outputs[0], ref, what, BF16_TOLERANCE)
+        print(f"{what}: {agreement}")
+        matched += agreement.matched
+    # bf16 ties part sequences early: on the H200 238 of llama's 384 tokens were compared, 108 of
+    # qwen3's. A quarter must be.
+    assert matched >= len(batch) * BF16_NEW_TOKENS // 4, matched
+    assert llm.engine.scheduler.kv_cache.pool.num_used_blocks == 0
+
+
+@pytest.mark.gpu
 def test_bfloat16_with_graphs_and_gpu_memory_sizing(tmp_path):
     model_dir = build_checkpoint(tmp_path, "qwen3")
     llm = LLM(
@@ -78,6 +155,7 @@ def test_bfloat16_with_graphs_and_gpu_memory_sizing(tmp_path):
     assert memory.budget_bytes == int(memory.total_bytes * 0.5)
 
 
+@pytest.mark.gpu
 def test_async_scheduling_gives_the_sync_tokens(tmp_path):
     """Same batches, same kernels: async must reproduce sync bit for bit, graphs and all."""
     model_dir = build_checkpoint(tmp_path, "qwen3")

@@ -1,7 +1,11 @@
 """The GPU code path (triton attention backend, fused kernels, `gemv` decode steps) run on CPU in
 Triton's interpreter gives the torch backend's tokens, through chunked prefill and preemption:
-CI has no GPU. Slow, so few tokens; on a GPU machine tests/gpu/test_engine_on_gpu.py runs the
-same comparison on the device (with graphs, fp8 and bf16)."""
+CI has no GPU. Slow, so few tokens.
+
+On a GPU machine this file skips and tests/gpu/test_engine_on_gpu.py runs the same comparison on
+the device: one case of it in the default `pytest`, which deselects `gpu`
+(`test_triton_backend_matches_the_cpu_reference[llama-cuda-graphs-auto]`), every case (graphs,
+fp8, bf16 against transformers) under `pytest -m gpu`."""
 
 from __future__ import annotations
 
@@ -12,7 +16,9 @@ from metrale import LLM, SamplingParams
 from tests.conftest import build_checkpoint
 
 pytestmark = pytest.mark.skipif(
-    torch.cuda.is_available(), reason="on a GPU machine tests/gpu runs this path on the device"
+    torch.cuda.is_available(),
+    reason="on a GPU machine tests/gpu/test_engine_on_gpu.py runs this path on the device "
+    "(its [llama-cuda-graphs-auto] case in the default run)",
 )
 PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
 
