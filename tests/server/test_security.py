@@ -271,6 +271,8 @@ def test_a_full_queue_is_429_on_openai_routes_and_529_on_anthropic(make):
     assert overloaded.headers["retry-after"] == "1"
     engine.num_waiting = 0
     assert http.post("/v1/messages", json=MESSAGE).status_code == 200
+    too_many = http.post("/v1/chat/completions", json={**CHAT, "n": 5})  # can never fit
+    assert too_many.status_code == 400 and "--max-queued-requests" in too_many.text
 
 
 def test_admitted_requests_count_as_waiting_until_their_streams_start():

@@ -72,6 +72,12 @@ class Guard:
         all, from `client`, while `num_waiting` wait for their first token; or raise the 429
         (529 on Anthropic's routes) that says why not."""
         limit = self.config.max_queued_requests
+        if limit is not None and n > limit:  # would never fit: retrying cannot help
+            raise APIError(
+                f"the request asks for {n} completions but at most {limit} may wait at once "
+                f"(--max-queued-requests); lower n",
+                param="n",
+            )
         if limit is not None:
             num_waiting += self.num_reserved()
             if num_waiting + n > limit:
