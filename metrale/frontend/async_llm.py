@@ -47,11 +47,6 @@ class AsyncLLM:
         """Requests sent to the engine that have had no output yet (queued, or in prefill)."""
         return len(self._waiting)
 
-    @property
-    def num_open(self) -> int:
-        """Requests sent to the engine and not yet finished."""
-        return len(self._queues)
-
     async def generate(self, request: EngineRequest) -> AsyncIterator[CompletionDelta]:
         """Stream the request's deltas until it finishes; abort it if the caller leaves early."""
         request_id = request.request_id
@@ -66,14 +61,17 @@ class AsyncLLM:
         try:
             self.client.add_request(request)
             self._waiting.add(request_id)
-            while not finished:
-                item = await queue.get()
-                self._waiting.discard(request_id)
+            item = await queue.get()
+            self._waiting.discard(request_id)  # once, not on every delta
+            while True:
                 if isinstance(item, Exception):
                     finished = True
                     raise item
                 finished = item.finished
                 yield item
+                if finished:
+                    break
+                item = await queue.get()
         finally:
             self._waiting.discard(request_id)
             self._queues.pop(request_id, None)

@@ -16,7 +16,6 @@ from typing import Any, TypeVar
 
 import pydantic
 from fastapi import Request
-from fastapi.responses import JSONResponse
 
 ModelT = TypeVar("ModelT", bound=pydantic.BaseModel)
 
@@ -57,9 +56,6 @@ class APIError(Exception):
                 "code": self.code,
             }
         }
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def _default_type(status: int) -> str:

@@ -138,7 +138,7 @@ def test_require_auth_gates_the_operator_routes_but_not_health(make):
     assert http.get("/health").status_code == 200
     assert http.get("/health/live").status_code == 200
     with pytest.raises(ValueError, match="at least one API key"):
-        Guard(SecurityConfig(require_auth=True))
+        SecurityConfig(require_auth=True)
 
 
 def test_x_api_key_is_read_on_anthropic_routes_only(make):

@@ -32,18 +32,20 @@ from metrale.server.state import ServerState
 router = APIRouter()
 
 
-def split_prompts(state: ServerState, prompt: Any) -> list[tuple[str, list[int]]]:
-    """(prompt text, token ids) for each prompt of a string, id list, or batch of either."""
+def split_prompts(state: ServerState, prompt: Any, echo: bool) -> list[tuple[str, list[int]]]:
+    """(prompt text, token ids) for each prompt of a string, id list, or batch of either; an id
+    prompt's text is decoded only for `echo`, the one place it is shown."""
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
         prompt = [prompt]
     tokenizer = state.tokenizer
+    out = []
     for p in prompt:
-        if not isinstance(p, str):  # before decoding: the tokenizer takes 32-bit ids only
+        if isinstance(p, str):
+            out.append((p, tokenizer.encode(p)))
+        else:  # checked before decoding: the tokenizer takes 32-bit ids only
             check_token_ids(p, state.config.model.vocab_size, "prompt")
-    return [
-        (p, tokenizer.encode(p)) if isinstance(p, str) else (tokenizer.decode(p), list(p))
-        for p in prompt
-    ]
+            out.append((tokenizer.decode(p) if echo else "", list(p)))
+    return out
 
 
 @router.post("/v1/completions")
@@ -60,7 +62,7 @@ async def create_completion(request: Request) -> Any:
         raise APIError(str(e)) from None
     request_id = new_id("cmpl")
     texts, prompts = [], []
-    for i, (text, token_ids) in enumerate(split_prompts(state, body.prompt)):
+    for i, (text, token_ids) in enumerate(split_prompts(state, body.prompt, body.echo)):
         texts.append(text)
         prompts.append(prepare(state, f"{request_id}-{i}", token_ids, params, body.n))
     model = state.settings.served_model_name

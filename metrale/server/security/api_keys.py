@@ -22,19 +22,8 @@ def _digest(key: str) -> bytes:
 
 class ApiKeys:
     def __init__(self, keys: Iterable[str] = (), *, require_auth: bool = False) -> None:
-        self._digests = [_digest(key) for key in dict.fromkeys(keys) if key]
-        if require_auth and not self._digests:
-            raise ValueError(
-                "--require-auth needs at least one API key (--api-key KEY or METRALE_API_KEY)"
-            )
+        self._digests = [_digest(key) for key in dict.fromkeys(keys)]
         self.require_auth = require_auth
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self._digests)
-
-    def __len__(self) -> int:
-        return len(self._digests)
 
     def guards(self, path: str) -> bool:
         """Whether a request for `path` must carry a key: every `/v1` route once a key is set,

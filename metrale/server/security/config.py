@@ -21,6 +21,18 @@ class SecurityConfig:
     max_queued_requests: int | None = None  # None: unbounded
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
 
+    def __post_init__(self) -> None:
+        if any(not key.strip() for key in self.api_keys):
+            raise ValueError("--api-key: a key cannot be empty")
+        if self.require_auth and not self.api_keys:
+            raise ValueError(
+                "--require-auth needs at least one API key (--api-key KEY or METRALE_API_KEY)"
+            )
+        if self.max_queued_requests is not None and self.max_queued_requests < 1:
+            raise ValueError(f"--max-queued-requests {self.max_queued_requests}: at least 1")
+        if self.max_request_bytes < 1:
+            raise ValueError("--max-request-bytes must be at least 1 byte")
+
     def __repr__(self) -> str:  # keys never reach a log, /serve-config or a traceback
         fields = {**self.__dict__, "api_keys": f"<{len(self.api_keys)} keys>"}
         return "SecurityConfig(" + ", ".join(f"{k}={v}" for k, v in fields.items()) + ")"
@@ -65,19 +77,8 @@ class SecurityConfig:
     @classmethod
     def from_cli(cls, args: argparse.Namespace) -> SecurityConfig:
         """The flags, with METRALE_API_KEY and the METRALE_RATE_LIMIT_* variables."""
-        if args.max_queued_requests is not None and args.max_queued_requests < 1:
-            raise ValueError(f"--max-queued-requests {args.max_queued_requests}: at least 1")
-        if args.max_request_bytes < 1:
-            raise ValueError("--max-request-bytes must be at least 1 byte")
-        keys = tuple(dict.fromkeys([*args.api_key, *envs.api_keys()]))
-        if any(not key.strip() for key in args.api_key):
-            raise ValueError("--api-key: a key cannot be empty")
-        if args.require_auth and not keys:
-            raise ValueError(
-                "--require-auth needs at least one API key (--api-key KEY or METRALE_API_KEY)"
-            )
         return cls(
-            api_keys=keys,
+            api_keys=tuple(dict.fromkeys([*args.api_key, *envs.api_keys()])),
             require_auth=args.require_auth,
             rate_limit_rpm=envs.rate_limit_rpm(),
             rate_limit_tpm=envs.rate_limit_tpm(),

@@ -24,6 +24,7 @@ from typing import Any
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from metrale.server import sse
 from metrale.server.anthropic.errors import is_anthropic_path, shaped
 from metrale.server.errors import APIError
 from metrale.server.security.api_keys import presented_keys
@@ -205,4 +206,4 @@ def _json(body: dict[str, Any]) -> bytes:
 def _stream_error(path: str, body: dict[str, Any]) -> bytes:
     if is_anthropic_path(path):
         return b"event: error\ndata: " + _json(body) + b"\n\n"
-    return b"data: " + _json(body) + b"\n\ndata: [DONE]\n\n"
+    return b"data: " + _json(body) + b"\n\n" + sse.DONE.encode()
