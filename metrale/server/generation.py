@@ -142,9 +142,43 @@ async def stream_deltas(
     state: ServerState,
     prompts: list[PreparedPrompt],
     admission: Admission | None = None,
+    timeout_s: float | None = None,
 ) -> AsyncIterator[tuple[int, CompletionDelta]]:
     """Deltas of every choice of every prompt, as (choice index, delta), interleaved. When the
-    stream ends, however it ends, `admission` is refunded the tokens that were not generated."""
+    stream ends, however it ends, `admission` is refunded the tokens that were not generated.
+    Past `timeout_s` it raises TimeoutError (see `until_deadline`)."""
+    async for item in until_deadline(_merged_deltas(state, prompts, admission), timeout_s):
+        yield item
+
+
+async def until_deadline(stream: AsyncIterator[T], timeout_s: float | None) -> AsyncIterator[T]:
+    """`stream`'s items until `timeout_s` from now, then TimeoutError.
+
+    The deadline is only armed while the next item is awaited, never across a `yield`: an
+    `asyncio.timeout` around a streaming loop can fire while the consumer is sending a frame,
+    and then it cancels the send instead, cutting the response off without its end.
+    """
+    iterator = aiter(stream)
+    try:
+        if timeout_s is None:
+            async for item in iterator:
+                yield item
+            return
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while True:
+            async with asyncio.timeout_at(deadline):
+                try:
+                    item = await anext(iterator)
+                except StopAsyncIteration:
+                    return
+            yield item
+    finally:
+        await iterator.aclose()  # type: ignore[attr-defined]
+
+
+async def _merged_deltas(
+    state: ServerState, prompts: list[PreparedPrompt], admission: Admission | None
+) -> AsyncIterator[tuple[int, CompletionDelta]]:
     streams = [state.llm.generate(child) for prompt in prompts for child in prompt.children]
     generated = 0
     if admission is not None:

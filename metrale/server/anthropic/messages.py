@@ -23,7 +23,6 @@ whole prompt as input; `message_delta` carries the split.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import uuid
 from collections.abc import AsyncIterator
@@ -196,10 +195,11 @@ async def _stream(state: ServerState, reply: _Reply) -> AsyncIterator[str]:
     yield _event({"type": "message_start", "message": start})
     yield _event({"type": "ping"})
     try:
-        async with asyncio.timeout(state.settings.request_timeout_s):
-            async for _, delta in stream_deltas(state, [reply.prompt], reply.admission):
-                for event in reply.add(delta):
-                    yield _event(event)
+        async for _, delta in stream_deltas(
+            state, [reply.prompt], reply.admission, state.settings.request_timeout_s
+        ):
+            for event in reply.add(delta):
+                yield _event(event)
     except Exception as e:
         yield _event(error_body(engine_error(e)))
         return

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import time
 from collections.abc import AsyncIterator
@@ -226,34 +225,35 @@ async def _stream(
             ]
         )
     try:
-        async with asyncio.timeout(state.settings.request_timeout_s):
-            async for index, delta in stream_deltas(state, [prompt], admission):
-                usage.completion_tokens += len(delta.token_ids)
-                usage.cached_tokens = delta.num_cached_tokens
-                parsed = parsers[index].feed(delta.text)
-                if delta.finished:
-                    merge(parsed, parsers[index].finish())
-                if parsed.reasoning:
-                    usage.reasoning_tokens += len(
-                        state.tokenizer.encode(parsed.reasoning, add_special_tokens=False)
+        async for index, delta in stream_deltas(
+            state, [prompt], admission, state.settings.request_timeout_s
+        ):
+            usage.completion_tokens += len(delta.token_ids)
+            usage.cached_tokens = delta.num_cached_tokens
+            parsed = parsers[index].feed(delta.text)
+            if delta.finished:
+                merge(parsed, parsers[index].finish())
+            if parsed.reasoning:
+                usage.reasoning_tokens += len(
+                    state.tokenizer.encode(parsed.reasoning, add_special_tokens=False)
+                )
+            if not parsed and not delta.finished and delta.logprobs is None:
+                continue
+            choice: dict[str, Any] = {
+                "index": index,
+                "delta": message_fields(state, parsed),
+                "logprobs": None
+                if delta.logprobs is None
+                else {
+                    "content": chat_logprobs(
+                        delta.token_ids, delta.logprobs, state.tokenizer, body.top_logprobs or 0
                     )
-                if not parsed and not delta.finished and delta.logprobs is None:
-                    continue
-                choice: dict[str, Any] = {
-                    "index": index,
-                    "delta": message_fields(state, parsed),
-                    "logprobs": None
-                    if delta.logprobs is None
-                    else {
-                        "content": chat_logprobs(
-                            delta.token_ids, delta.logprobs, state.tokenizer, body.top_logprobs or 0
-                        )
-                    },
-                    "finish_reason": finish_reason(delta.finish_reason, parsers[index]),
-                }
-                if delta.finished:
-                    choice["stop_reason"] = delta.stop_reason
-                yield chunk([choice])
+                },
+                "finish_reason": finish_reason(delta.finish_reason, parsers[index]),
+            }
+            if delta.finished:
+                choice["stop_reason"] = delta.stop_reason
+            yield chunk([choice])
     except Exception as e:
         yield sse.event(engine_error(e).body())
         yield sse.DONE

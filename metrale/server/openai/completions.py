@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -171,23 +170,24 @@ async def _stream(
             offsets[index] = len(text)
             yield chunk([{"index": index, "text": text, "logprobs": None, "finish_reason": None}])
     try:
-        async with asyncio.timeout(state.settings.request_timeout_s):
-            async for index, delta in stream_deltas(state, prompts, admission):
-                usage.completion_tokens += len(delta.token_ids)
-                cached[index] = delta.num_cached_tokens
-                if not delta.text and not delta.finished and delta.logprobs is None:
-                    continue
-                piece = Choice(index, token_ids=list(delta.token_ids), logprobs=delta.logprobs)
-                choice = {
-                    "index": index,
-                    "text": delta.text,
-                    "logprobs": _logprobs(state, piece, body, offsets[index]),
-                    "finish_reason": delta.finish_reason,
-                }
-                if delta.finished:
-                    choice["stop_reason"] = delta.stop_reason
-                offsets[index] += len(delta.text)
-                yield chunk([choice])
+        async for index, delta in stream_deltas(
+            state, prompts, admission, state.settings.request_timeout_s
+        ):
+            usage.completion_tokens += len(delta.token_ids)
+            cached[index] = delta.num_cached_tokens
+            if not delta.text and not delta.finished and delta.logprobs is None:
+                continue
+            piece = Choice(index, token_ids=list(delta.token_ids), logprobs=delta.logprobs)
+            choice = {
+                "index": index,
+                "text": delta.text,
+                "logprobs": _logprobs(state, piece, body, offsets[index]),
+                "finish_reason": delta.finish_reason,
+            }
+            if delta.finished:
+                choice["stop_reason"] = delta.stop_reason
+            offsets[index] += len(delta.text)
+            yield chunk([choice])
     except Exception as e:
         yield sse.event(engine_error(e).body())
         yield sse.DONE
