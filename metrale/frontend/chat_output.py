@@ -10,7 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from metrale.frontend.reasoning import ReasoningDelta, ReasoningEvent, ReasoningParser
-from metrale.frontend.tool_parsers import ContentDelta, ToolCallArguments, ToolCallStart, ToolParser
+from metrale.frontend.tool_parsers import (
+    ContentDelta,
+    ToolCallArguments,
+    ToolCallStart,
+    ToolParser,
+    count_outcomes,
+)
 
 
 @dataclass
@@ -36,7 +42,8 @@ class ChatDelta:
 class ChatOutputParser:
     """`max_tool_calls`: calls past this many are dropped (`parallel_tool_calls: false`). The
     engine stops after the first call where the format marks a call's end; this holds the line
-    for the formats that do not, on the streaming and the non-streaming path alike."""
+    for the formats that do not, on the streaming and the non-streaming path alike. Dropped
+    calls are not counted in `tool_call_outcomes` either."""
 
     def __init__(
         self,
@@ -48,6 +55,22 @@ class ChatOutputParser:
         self._tools = tools
         self._max_tool_calls = max_tool_calls
         self.num_tool_calls = 0
+        self._reasoning_pieces: list[str] = []
+
+    @property
+    def reasoning_text(self) -> str:
+        """All the reasoning split off so far."""
+        return "".join(self._reasoning_pieces)
+
+    @property
+    def tool_call_outcomes(self) -> dict[str, int]:
+        """The tool parser's `ToolParser.outcomes` for the calls delivered: calls dropped by
+        ``max_tool_calls`` are left out, not counted under any outcome. Empty without a tool
+        parser; final once `finish` has returned."""
+        if self._tools is None:
+            return {}
+        delivered = self._tools.call_outcomes[: self._max_tool_calls]
+        return count_outcomes(delivered, self._tools.num_text_outcomes)
 
     def feed(self, text: str) -> ChatDelta:
         if self._reasoning is None:
@@ -67,6 +90,7 @@ class ChatOutputParser:
         for event in events:
             if isinstance(event, ReasoningDelta):
                 delta.reasoning += event.text
+                self._reasoning_pieces.append(event.text)
             elif isinstance(event, ContentDelta):
                 self._route(event.text, delta)
         return delta

@@ -65,3 +65,37 @@ def test_a_cap_of_one_keeps_the_first_call_whatever_the_split(name):
         assert num_calls == 1, how
         assert calls == {0: uncapped[0]}, how
         assert content.strip() == "", how
+
+
+# A well-formed call, an opener left as text, then a call cut off mid-arguments.
+CALL_TEXT_CUT = {
+    "hermes": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+    '<tool_call>oops</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"city": "Os',
+    "mistral": '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS] sorry '
+    '[TOOL_CALLS]get_time[ARGS]{"city": "Os',
+}
+
+
+@pytest.mark.parametrize("name", sorted(CALL_TEXT_CUT))
+def test_outcomes_count_only_the_delivered_calls(name):
+    """Calls dropped by max_tool_calls are left out of the outcomes; text is still counted."""
+    text = CALL_TEXT_CUT[name]
+    for how, deltas in splittings(text, name).items():
+        for max_tool_calls, expected in (
+            (None, {"parsed": 1, "repaired": 1, "text": 1}),
+            (1, {"parsed": 1, "repaired": 0, "text": 1}),
+        ):
+            parser = ChatOutputParser(
+                None, make_tool_parser(name, tools=TOOLS), max_tool_calls=max_tool_calls
+            )
+            for delta in deltas:
+                parser.feed(delta)
+            parser.finish()
+            assert parser.tool_call_outcomes == expected, (how, max_tool_calls)
+
+
+def test_no_tool_parser_no_outcomes():
+    parser = ChatOutputParser(None, None)
+    parser.feed("<tool_call>")
+    parser.finish()
+    assert parser.tool_call_outcomes == {}

@@ -1,5 +1,6 @@
 """Differential tests: each tool-call fixture, cut every way a stream can cut it, must parse
-to the same content and calls, byte for byte, and to what the fixture expects."""
+to the same content and calls, byte for byte, and to what the fixture expects; and to the same
+outcome counts (parsed, repaired, text)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from importlib import resources
 import pytest
 
 from metrale.frontend.tool_parsers import (
+    CallOutcome,
     ContentDelta,
     Event,
     ToolCall,
@@ -36,13 +38,25 @@ CASES = [
 ]
 
 
-def parse(fmt: str, deltas: Sequence[str]) -> list[Event]:
+def parse_counted(fmt: str, deltas: Sequence[str]) -> tuple[list[Event], dict[str, int]]:
+    """The events and the parser's outcomes once it finished."""
     parser = make_tool_parser(fmt, tools=TOOLS)
     events: list[Event] = []
     for delta in deltas:
         events += parser.feed(delta)
     events += parser.finish()
-    return events
+    return events, parser.outcomes
+
+
+def parse(fmt: str, deltas: Sequence[str]) -> list[Event]:
+    return parse_counted(fmt, deltas)[0]
+
+
+def check_outcomes(outcomes: dict[str, int], events: list[Event]) -> None:
+    """Every call started is counted once, as parsed or repaired."""
+    assert sorted(outcomes) == ["parsed", "repaired", "text"]
+    num_calls = sum(isinstance(event, ToolCallStart) for event in events)
+    assert outcomes["parsed"] + outcomes["repaired"] == num_calls, outcomes
 
 
 def strict_json(text: str) -> object:
@@ -80,10 +94,13 @@ def test_every_splitting_parses_to_the_expected_result(fmt: str, fixture: Fixtur
     expected = expected_result(fixture)
     for expected_args in (args for _, args in fixture[3]):
         assert isinstance(strict_json(expected_args), dict)
+    _, whole_outcomes = parse_counted(fmt, [text])
     for split_name, deltas in splittings(text, f"{fmt}-{name}").items():
-        events = parse(fmt, deltas)
+        events, outcomes = parse_counted(fmt, deltas)
         check_invariants(events)
         assert collect(events) == expected, f"{split_name}: {list(deltas)!r}"
+        check_outcomes(outcomes, events)
+        assert outcomes == whole_outcomes, split_name
 
 
 @pytest.mark.parametrize("fmt", sorted(FIXTURES))
@@ -132,15 +149,132 @@ def test_mutated_outputs_never_disagree(fmt: str, caplog: pytest.LogCaptureFixtu
     with caplog.at_level(logging.ERROR):
         for _ in range(120):
             text = mutate(rng.choice(own if rng.random() < 0.7 else texts), rng)
-            whole = parse(fmt, [text])
+            whole, whole_outcomes = parse_counted(fmt, [text])
             check_invariants(whole)
+            check_outcomes(whole_outcomes, whole)
             content, calls = collect(whole)
             assert calls or content == text, "output without calls must pass through unchanged"
             for deltas in (list(text), char_bursts(text, rng), char_bursts(text, rng, 3)):
-                events = parse(fmt, deltas)
+                events, outcomes = parse_counted(fmt, deltas)
                 check_invariants(events)
                 assert collect(events) == collect(whole), repr(text)
+                assert outcomes == whole_outcomes, repr(text)
     assert not caplog.records, caplog.records[0].getMessage()
+
+
+PARSED, REPAIRED, TEXT = CallOutcome.PARSED, CallOutcome.REPAIRED, CallOutcome.TEXT
+
+# Fixtures that settle exactly one would-be call, by format and outcome. PARSED: written
+# well-formed, in a spelling the format accepts (first: the plain one). REPAIRED: cut off
+# mid-arguments at the end of generation (first), or otherwise closed or fixed by the parser.
+# TEXT: an opener followed by something that is no call, left as content.
+SINGLE_OUTCOMES: dict[str, dict[CallOutcome, tuple[str, ...]]] = {
+    "hermes": {
+        PARSED: ("single_call", "no_arguments_member", "string_encoded_arguments"),
+        REPAIRED: (
+            "truncated_in_string",
+            "truncated_in_key",
+            "truncated_in_number",
+            "missing_closing_brace",
+            "junk_after_arguments",
+            "missing_closing_tag_then_text",
+            "raw_newline_and_bad_escape_in_string",
+        ),
+        TEXT: ("garbage_inside_tags", "json_without_name", "truncated_in_name"),
+    },
+    "qwen3_coder": {
+        PARSED: ("single_call", "type_mismatch_stays_string", "stopped_at_call_end"),
+        REPAIRED: (
+            "truncated_in_value",
+            "missing_parameter_close",
+            "missing_function_close",
+            "literal_close_tag_cuts_value",
+        ),
+        TEXT: ("garbage_inside_tags", "truncated_in_name"),
+    },
+    "qwen3_xml": {
+        PARSED: ("single_call", "literal_close_tag_kept", "stopped_at_call_end"),
+        REPAIRED: ("truncated_in_value", "missing_parameter_close", "missing_function_close"),
+        TEXT: ("garbage_inside_tags", "truncated_in_name"),
+    },
+    "gemma4": {
+        PARSED: ("single_call", "bare_word_value", "trailing_comma"),
+        REPAIRED: (
+            "truncated_in_string",
+            "truncated_after_key",
+            "truncated_in_bare_value",
+            "missing_close_tag",
+            "missing_closing_brace",
+            "broken_key",
+        ),
+        TEXT: ("garbage_inside_tags", "truncated_in_name"),
+    },
+    "mistral": {
+        # With no marker after a v11 call, text after it cannot tell: it counts as parsed.
+        PARSED: ("v11_single", "array_single", "v11_call_id", "text_after_v11_call"),
+        REPAIRED: ("truncated_v11", "truncated_array", "array_not_closed"),
+        TEXT: ("garbage_after_opener", "array_without_calls", "truncated_in_name"),
+    },
+    "minimax_xml": {
+        PARSED: ("single_invoke", "quoted_and_bare_names", "stopped_at_call_end"),
+        REPAIRED: (
+            "truncated_in_value",
+            "missing_parameter_close",
+            "missing_invoke_close",
+            "junk_between_parameters",
+        ),
+        TEXT: ("garbage_inside_tags", "truncated_in_invoke_name"),
+    },
+    "poolside_v1": {
+        PARSED: ("single_call", "inline_name_typed", "no_arguments"),
+        REPAIRED: ("truncated_in_value", "missing_value_close", "key_without_value"),
+        TEXT: ("json_inside_tags_is_not_this_format", "truncated_in_name"),
+    },
+    "bare_json": {
+        PARSED: ("object_call", "llama_parameters", "text_after_call"),
+        REPAIRED: ("truncated_in_arguments", "broken_after_name"),
+        # A JSON answer with no tool's name: the format cannot tell it from a failed call.
+        TEXT: ("json_not_a_call", "json_with_a_name_that_is_no_tool", "truncated_in_name"),
+    },
+}
+
+OUTCOME_CASES = [
+    pytest.param(fmt, name, outcome, id=f"{fmt}-{outcome}-{name}")
+    for fmt, by_outcome in SINGLE_OUTCOMES.items()
+    for outcome, names in by_outcome.items()
+    for name in names
+]
+
+
+def test_every_format_shows_every_outcome() -> None:
+    assert sorted(SINGLE_OUTCOMES) == sorted(FIXTURES)
+    for by_outcome in SINGLE_OUTCOMES.values():
+        assert sorted(by_outcome) == sorted(CallOutcome)
+
+
+@pytest.mark.parametrize(("fmt", "name", "outcome"), OUTCOME_CASES)
+def test_single_call_outcome(fmt: str, name: str, outcome: CallOutcome) -> None:
+    """The same count whether the text comes whole or a character at a time (or any cut)."""
+    (text,) = [fixture[1] for fixture in FIXTURES[fmt] if fixture[0] == name]
+    expected = {"parsed": 0, "repaired": 0, "text": 0, outcome.value: 1}
+    for split_name, deltas in splittings(text, f"{fmt}-{name}").items():
+        assert parse_counted(fmt, deltas)[1] == expected, split_name
+
+
+def test_outcomes_settle_as_calls_end() -> None:
+    """A call is counted once nothing after it can change its outcome: at the end of its block
+    or when the next call starts; `finish` settles the rest."""
+    parser = make_tool_parser("hermes", tools=TOOLS)
+    assert parser.outcomes == {"parsed": 0, "repaired": 0, "text": 0}
+    parser.feed('<tool_call>{"name": "get_time"}')
+    assert parser.call_outcomes == []  # the closing tag may still be missing
+    parser.feed("</tool_call>\n<tool_call>oops</tool_call>\n")
+    assert parser.outcomes == {"parsed": 1, "repaired": 0, "text": 1}
+    parser.feed('<tool_call>{"name": "get_weather", "arguments": {"city": "Os')
+    assert parser.outcomes == {"parsed": 1, "repaired": 0, "text": 1}
+    parser.finish()
+    assert parser.call_outcomes == [PARSED, REPAIRED]
+    assert parser.outcomes == {"parsed": 1, "repaired": 1, "text": 1}
 
 
 def test_arguments_stream_before_the_call_ends() -> None:
@@ -195,6 +329,7 @@ def test_fault_is_contained(monkeypatch: pytest.MonkeyPatch) -> None:
     events += parser.feed(" more") + parser.finish()
     # The delta that faulted is passed through whole: its "y" had not reached the call yet.
     assert collect(events) == ("y!z more", [ToolCall("call_0", "f", '{"a": "x"}')])
+    assert parser.outcomes == {"parsed": 0, "repaired": 1, "text": 0}
 
 
 def test_feed_after_finish_is_a_programming_error() -> None:

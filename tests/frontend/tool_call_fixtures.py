@@ -291,6 +291,12 @@ QWEN3_COMMON: list[Fixture] = [
         "",
         [("write_file", '{"content": ""}')],
     ),
+    (
+        "stopped_at_call_end",
+        QWEN_PARIS.removesuffix("\n</tool_call>"),
+        "",
+        [PARIS],
+    ),
 ]
 
 LITERAL_TAG_CALL = qwen_call("write_file", ("content", 'x = "</parameter>"\ny'))
@@ -514,6 +520,12 @@ MISTRAL: list[Fixture] = [
         [GET_TIME],
     ),
     ("text_after_v11_call", "[TOOL_CALLS]get_time[ARGS]{} Done.", " Done.", [GET_TIME]),
+    (
+        "array_not_closed",
+        '[TOOL_CALLS] [{"name": "get_time", "arguments": {}}',
+        "",
+        [GET_TIME],
+    ),
 ]
 
 # --- minimax_xml: <minimax:tool_call><invoke name=...> -------------------------------------
@@ -610,6 +622,12 @@ MINIMAX_XML: list[Fixture] = [
         minimax_block(invoke("lookup", ("n", "5"))),
         "",
         [("lookup", '{"n": "5"}')],
+    ),
+    (
+        "stopped_at_call_end",
+        MINIMAX_PARIS.removesuffix("\n</minimax:tool_call>"),
+        "",
+        [PARIS],
     ),
     (
         "junk_between_parameters",

@@ -4,6 +4,7 @@
     for delta in text_deltas:
         events = parser.feed(delta)   # ContentDelta / ToolCallStart / ToolCallArguments
     events = parser.finish()
+    parser.outcomes               # {"parsed": n, "repaired": n, "text": n}, for metrics
 
 Formats register by name in `registry`; importing this package registers them all. A format's
 class also says what a request needs of it: `tool_parser_class(name).call_grammar(tools)` is
@@ -19,6 +20,7 @@ from metrale.frontend.tool_parsers import mistral as _mistral  # noqa: F401  (re
 from metrale.frontend.tool_parsers import poolside_v1 as _poolside_v1  # noqa: F401  (registers)
 from metrale.frontend.tool_parsers import qwen3_xml as _qwen3_xml  # noqa: F401  (registers)
 from metrale.frontend.tool_parsers.base import (
+    CallOutcome,
     ContentDelta,
     Event,
     ToolCall,
@@ -27,6 +29,7 @@ from metrale.frontend.tool_parsers.base import (
     ToolParser,
     ToolParserOptions,
     collect,
+    count_outcomes,
 )
 from metrale.frontend.tool_parsers.registry import (
     detect_tool_parser,
@@ -38,6 +41,7 @@ from metrale.frontend.tool_parsers.registry import (
 from metrale.frontend.tool_parsers.schema import ParamSchema, ToolSpec, tool_specs
 
 __all__ = [
+    "CallOutcome",
     "ContentDelta",
     "Event",
     "ParamSchema",
@@ -48,6 +52,7 @@ __all__ = [
     "ToolParserOptions",
     "ToolSpec",
     "collect",
+    "count_outcomes",
     "detect_tool_parser",
     "make_tool_parser",
     "register_tool_parser",

@@ -7,7 +7,8 @@ writes ``"parameters"`` for the arguments; guided ``tool_choice="required"`` out
 array of such objects). Only output that starts, after whitespace, with ``{`` or ``[`` is
 looked at, and since a JSON answer may well have a "name" member, the name must be one of the
 request's tools when tools are given. Anything else stays content, as does text after the
-call.
+call. A JSON value that is no call counts as text: this format cannot tell a JSON answer from a
+call it failed to read.
 
 The format has no markers: nothing ends one call but the JSON itself, so no stop string can
 cut a reply after its first call (with `parallel_tool_calls: false` the chat output parser

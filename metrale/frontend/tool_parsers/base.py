@@ -12,6 +12,11 @@ What stays true of every event stream a parser returns:
   * the `ToolCallArguments` pieces of one call concatenate to one JSON object (``{}`` at least),
     and a call's pieces all arrive before the next call starts;
   * model output never raises: malformed text becomes content or a repaired call.
+
+A parser also says how it settled each would-be call (`CallOutcome`): every `ToolCallStart`
+it emits is counted once as parsed or repaired, at the latest when `finish` returns, and every
+opener it left as content once as text. The counts, like the events, do not depend on where
+the deltas were cut.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import ClassVar
 
 from metrale.frontend.tool_parsers.schema import ToolSpec
@@ -78,6 +84,24 @@ def collect(events: Iterable[Event]) -> tuple[str, list[ToolCall]]:
     return "".join(content), calls
 
 
+class CallOutcome(StrEnum):
+    """How a parser settled one would-be call: the ``outcome`` label of tool-call metrics."""
+
+    PARSED = "parsed"  # a call the model wrote well-formed
+    REPAIRED = "repaired"  # a call, once the parser closed or fixed it (cut short, broken...)
+    TEXT = "text"  # it opened like a call, but could not be read as one: left as content
+
+
+def count_outcomes(call_outcomes: Iterable[CallOutcome], num_text: int) -> dict[str, int]:
+    """Outcome name -> count, every outcome present: ``call_outcomes`` of calls, plus
+    ``num_text`` would-be calls left as text."""
+    counts = {outcome.value: 0 for outcome in CallOutcome}
+    for outcome in call_outcomes:
+        counts[outcome.value] += 1
+    counts[CallOutcome.TEXT.value] += num_text
+    return counts
+
+
 @dataclass(frozen=True)
 class ToolParserOptions:
     """What a parser knows about the request.
@@ -124,3 +148,20 @@ class ToolParser(ABC):
     @abstractmethod
     def finish(self) -> list[Event]:
         """The generation ended: flush held-back text and close or repair an open call."""
+
+    @property
+    @abstractmethod
+    def call_outcomes(self) -> Sequence[CallOutcome]:
+        """PARSED or REPAIRED for each call started so far whose outcome is settled, by call
+        index. A call is settled once nothing read after it can change its outcome (the next
+        call starts, or its block ends); when `finish` has returned, every call is."""
+
+    @property
+    @abstractmethod
+    def num_text_outcomes(self) -> int:
+        """How many would-be calls were left as content (TEXT)."""
+
+    @property
+    def outcomes(self) -> dict[str, int]:
+        """``{"parsed": n, "repaired": n, "text": n}`` so far; final once `finish` returned."""
+        return count_outcomes(self.call_outcomes, self.num_text_outcomes)

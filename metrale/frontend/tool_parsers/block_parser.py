@@ -10,17 +10,23 @@ What stays true: ``_buffer`` holds exactly the text not yet attributed to conten
 call. An open block's raw text stays there until the block commits to a call, so an
 uncommitted block can still fall back to content; after that it is trimmed as it is read.
 
+Outcomes: a block that started no call counts as text. A block's calls count as parsed
+unless its reader noted a repair, or the block ended other than as the format closes one (cut
+short, or broken off by text that does not fit): that counts its last call as repaired.
+
 A fault inside a parser (a bug, never a property of the model output) is contained: the open
-call is closed with valid arguments, and the rest of the output passes through as content.
+call is closed with valid arguments (repaired), and the rest of the output passes through as
+content.
 """
 
 from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import ClassVar
 
-from metrale.frontend.tool_parsers.base import Event, ToolParser, ToolParserOptions
+from metrale.frontend.tool_parsers.base import CallOutcome, Event, ToolParser, ToolParserOptions
 from metrale.frontend.tool_parsers.sink import EventSink
 from metrale.frontend.tool_parsers.tags import find_first, match_any, partial_tail_len, skip_space
 
@@ -32,6 +38,10 @@ class BlockReader(ABC):
     the parser may trim the text it already consumed."""
 
     committed = False  # a call has started: the block's text belongs to calls, not content
+    # Whether the block ended as the format closes one (at its closing tag); None for formats
+    # with no closing marker. A committed block that ends with False had its last call
+    # repaired.
+    closed: bool | None = None
 
     @abstractmethod
     def read(self, text: str, pos: int, final: bool) -> tuple[int, bool]:
@@ -80,6 +90,14 @@ class BlockParser(ToolParser):
             self._run_guarded(final=False)
         return self.sink.take()
 
+    @property
+    def call_outcomes(self) -> Sequence[CallOutcome]:
+        return self.sink.call_outcomes
+
+    @property
+    def num_text_outcomes(self) -> int:
+        return self.sink.num_text_outcomes
+
     def finish(self) -> list[Event]:
         if self._finished:
             raise RuntimeError("ToolParser.finish called twice")
@@ -97,9 +115,15 @@ class BlockParser(ToolParser):
                 type(self).__name__,
             )
             self._faulted = True
+            block = self._block
             self.sink.close_open_call()
-            consumed = self._pos if self._block is not None and self._block.committed else 0
-            self.sink.content(self._buffer[consumed:])
+            if block is None:
+                self.sink.content(self._buffer)
+            elif block.committed:  # broken off: its last call counts as repaired
+                self.sink.settle(repaired=True)
+                self.sink.content(self._buffer[self._pos :])
+            else:
+                self.sink.left_as_text(self._buffer)
             self._buffer, self._pos, self._block = "", 0, None
 
     def _run(self, final: bool) -> None:
@@ -125,9 +149,10 @@ class BlockParser(ToolParser):
         if not block.committed and self._pos == 0:  # it would be opened again, forever
             raise RuntimeError(f"{type(block).__name__} ended without reading its opener")
         if block.committed:
+            self.sink.settle(repaired=block.closed is False)
             self._after_call = True
         else:
-            self.sink.content(self._buffer[: self._pos])
+            self.sink.left_as_text(self._buffer[: self._pos])
         self._buffer, self._pos, self._block = self._buffer[self._pos :], 0, None
 
     def _read_content(self, final: bool) -> bool:

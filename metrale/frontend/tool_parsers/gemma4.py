@@ -10,7 +10,9 @@ bare. Calls follow each other with no separator.
 
 `GemmaArguments` translates that syntax to JSON as it arrives. A bare value is written once
 its end is seen: JSON numbers, true, false and null as they are (``None`` as null), any other
-bare text as a string.
+bare text as a string. A mapping cut short or broken, or a call without ``<tool_call|>``,
+counts as repaired; bare text and a trailing comma count as parsed, the syntax having bare
+values (nothing tells a bare word from a forgotten quote).
 
 The markers are special tokens in Gemma's tokenizer. The grammar that forces a call writes the
 arguments in xgrammar's Gemma style of JSON schema, which is this syntax, and several calls
@@ -92,6 +94,7 @@ class GemmaArguments:
         pos, ended = self._read(text, pos, final)
         if ended and self._state is not _State.DONE:
             self._send(self._safe_len, self._safe_suffix)
+            self._sink.note_repair()
         else:
             self._send(self._safe_len, "")
         return pos, ended
@@ -254,6 +257,7 @@ class GemmaBlock(BlockReader):
         self._state = _BlockState.PREFIX
         self._arguments: GemmaArguments | None = None
         self.committed = False
+        self.closed = False
 
     def read(self, text: str, pos: int, final: bool) -> tuple[int, bool]:
         while True:
@@ -281,6 +285,7 @@ class GemmaBlock(BlockReader):
             else:
                 match = match_tag(text, pos, CALL_CLOSE, final)
                 if match is Match.YES:
+                    self.closed = True
                     return pos + len(CALL_CLOSE), True
                 return pos, match is Match.NO
 

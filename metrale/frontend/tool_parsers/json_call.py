@@ -7,6 +7,10 @@ stream and a whole text: an object is a call once its "name" member has been rea
 character the arguments are closed at their last valid point. An object that ends without a
 name is not a call, and its text is left to the caller (as content).
 
+A call counts as repaired when its object did not end at its closing brace, or its arguments
+had to be closed, normalized (`JsonScanner`) or replaced by ``{}``; arguments written as a
+string holding an object are a spelling some models use, and count as parsed.
+
 `call_object_grammar` writes such an object for grammars that force a call, and
 `call_array_grammar` an array of them.
 """
@@ -57,22 +61,36 @@ class ArgumentsStream:
     def drain_ready(self) -> str:
         return self._scanner.drain_safe() if self._is_object else ""
 
-    def drain_final(self) -> str:
+    def send_final(self, sink: EventSink) -> None:
+        """Send the rest of the value to the open call, noting a repair if it had to be
+        closed, normalized or replaced."""
         if self._is_object:
-            return self._scanner.drain_rest()
-        if self._scanner.complete:
-            value = json.loads(self._scanner.text())
-            if isinstance(value, str):
-                try:
-                    inner = json.loads(value)
-                except (ValueError, RecursionError):
-                    inner = None
-                if isinstance(inner, dict):
-                    try:
-                        return json.dumps(inner, ensure_ascii=False, allow_nan=False)
-                    except ValueError:
-                        pass
-        return "{}"
+            sink.arguments(self._scanner.drain_rest())
+            repaired = not self._scanner.complete
+        else:
+            decoded = self._decoded_string()
+            sink.arguments(decoded or "{}")
+            repaired = decoded is None
+        if repaired or self._scanner.normalized:
+            sink.note_repair()
+
+    def _decoded_string(self) -> str | None:
+        """The object that a complete string value holds, as JSON; None if it holds none."""
+        if not self._scanner.complete:
+            return None
+        value = json.loads(self._scanner.text())
+        if not isinstance(value, str):
+            return None
+        try:
+            inner = json.loads(value)
+        except (ValueError, RecursionError):
+            return None
+        if not isinstance(inner, dict):
+            return None
+        try:
+            return json.dumps(inner, ensure_ascii=False, allow_nan=False)
+        except ValueError:
+            return None
 
 
 class _State(Enum):
@@ -114,13 +132,13 @@ class JsonCallReader:
         for at in range(pos, len(text)):
             push = self._push(text[at])
             if push is _Push.STOPPED:
-                self._end()
+                self._end(closed=False)
                 return at, True
             if push is _Push.CLOSED:
-                self._end()
+                self._end(closed=True)
                 return at + 1, True
         if final:
-            self._end()
+            self._end(closed=False)
             return len(text), True
         if self.committed and self._arguments is not None:
             self._sink.arguments(self._arguments.drain_ready())
@@ -194,11 +212,13 @@ class JsonCallReader:
                 self._sink.start_call(name)
                 self.committed = True
 
-    def _end(self) -> None:
+    def _end(self, closed: bool) -> None:
         if not self.committed:
             return
         if self._arguments is not None:
-            self._sink.arguments(self._arguments.drain_final())
+            self._arguments.send_final(self._sink)
+        if not closed:
+            self._sink.note_repair()
         self._sink.end_call()
 
 
@@ -226,6 +246,7 @@ class JsonCallBlock(BlockReader):
         self._call: JsonCallReader | None = JsonCallReader(sink, known_names)
         self._closer = closer
         self._committed = False
+        self.closed = None if closer is None else False
 
     @property
     def committed(self) -> bool:  # type: ignore[override]
@@ -245,6 +266,7 @@ class JsonCallBlock(BlockReader):
         after_space = skip_space(text, pos)
         match = match_tag(text, after_space, self._closer, final)
         if match is Match.YES:
+            self.closed = True
             return after_space + len(self._closer), True
         return pos, match is Match.NO
 
@@ -258,8 +280,9 @@ class _ArrayState(Enum):
 
 
 class JsonCallArray(BlockReader):
-    """A JSON array of call objects. Elements that are not calls are skipped; the array ends
-    at its ']' or at the first character that does not fit."""
+    """A JSON array of call objects. Elements that are not calls are skipped (and not
+    counted); the array ends at its ']' (closed) or at the first character that does not fit.
+    """
 
     def __init__(self, sink: EventSink, known_names: Collection[str] | None = None) -> None:
         self._sink = sink
@@ -267,6 +290,7 @@ class JsonCallArray(BlockReader):
         self._state = _ArrayState.OPEN
         self._element: JsonCallReader | None = None
         self._committed = False
+        self.closed = False
 
     @property
     def committed(self) -> bool:  # type: ignore[override]
@@ -291,6 +315,7 @@ class JsonCallArray(BlockReader):
             elif state in (_ArrayState.FIRST, _ArrayState.NEXT) and ch == "{":
                 self._element = JsonCallReader(self._sink, self._known_names)
             elif state in (_ArrayState.FIRST, _ArrayState.AFTER_ELEMENT) and ch == "]":
+                self.closed = True
                 return pos + 1, True
             elif state is _ArrayState.AFTER_ELEMENT and ch == ",":
                 self._state = _ArrayState.NEXT
@@ -310,6 +335,10 @@ class JsonCallsBlock(BlockReader):
     @property
     def committed(self) -> bool:  # type: ignore[override]
         return self._inner is not None and self._inner.committed
+
+    @property
+    def closed(self) -> bool | None:  # type: ignore[override]
+        return self._inner.closed if self._inner is not None else None
 
     def read(self, text: str, pos: int, final: bool) -> tuple[int, bool]:
         if self._inner is None:

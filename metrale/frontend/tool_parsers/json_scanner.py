@@ -8,7 +8,8 @@ those closers: never by retracting what was sent.
 
 The scanner also normalizes: raw control characters inside strings are escaped, and an invalid
 escape such as ``\\U`` (a Windows path) is read as a literal backslash. Its output is therefore
-always valid for a strict JSON parser, and identical however the input was split.
+always valid for a strict JSON parser, and identical however the input was split;
+``normalized`` says whether it differs from the input (the model wrote invalid JSON).
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ class JsonScanner:
         self._literal_rest = ""
         self._unicode_digits = ""
         self.complete = False
+        self.normalized = False  # a raw control character or a bad escape was rewritten
         self._safe_count = 0  # pieces (drained included) at the last safe point
         self._safe_suffix: str | None = None  # what closes the text at the last safe point
 
@@ -225,6 +227,7 @@ class JsonScanner:
             self._state = _State.ESCAPE
         elif ch < " ":
             self._emit(_CONTROL_ESCAPES.get(ch) or f"\\u{ord(ch):04x}")
+            self.normalized = True
         else:
             self._emit(ch)
         return Step.ACCEPTED
@@ -239,6 +242,7 @@ class JsonScanner:
             self._state = _State.UNICODE
             return Step.ACCEPTED
         self._emit("\\\\")  # not a JSON escape: the backslash was meant literally
+        self.normalized = True
         self._state = _State.STRING
         return self._string_char(ch)
 
@@ -250,6 +254,7 @@ class JsonScanner:
                 self._state = _State.STRING
             return Step.ACCEPTED
         self._emit("\\\\u" + self._unicode_digits)  # a broken \u escape, kept as text
+        self.normalized = True
         self._state = _State.STRING
         return self._string_char(ch)
 

@@ -87,6 +87,7 @@ class MinimaxBlock(BlockReader):
         self._writer = ArgumentsWriter(sink)
         self._value: ValueReader | None = None
         self.committed = False
+        self.closed = False
 
     def read(self, text: str, pos: int, final: bool) -> tuple[int, bool]:
         while True:
@@ -95,8 +96,11 @@ class MinimaxBlock(BlockReader):
                 at = skip_space(text, pos)
                 tag, more = match_any(text, at, (INVOKE_OPEN, BLOCK_CLOSE), final)
                 if tag == BLOCK_CLOSE:
+                    self.closed = True
                     return at + len(tag), True
                 if tag is None:
+                    # A reply with one call stops at `call_end`: ending here closes the block.
+                    self.closed = final and at == len(text)
                     return pos, not more
                 pos, self._state = at + len(tag), _State.INVOKE_NAME
             elif state in (_State.INVOKE_NAME, _State.PARAM_NAME):

@@ -71,6 +71,12 @@ class MistralBlock(BlockReader):
     def committed(self) -> bool:  # type: ignore[override]
         return self._named or self._json.committed
 
+    @property
+    def closed(self) -> bool | None:  # type: ignore[override]
+        # The v11 spelling has no closing marker: nothing after complete arguments tells a
+        # call cut short from one that ended, so such a call counts as parsed.
+        return self._json.closed if self._state is _State.JSON else None
+
     def read(self, text: str, pos: int, final: bool) -> tuple[int, bool]:
         while True:
             state = self._state
@@ -95,7 +101,7 @@ class MistralBlock(BlockReader):
                 if status is NameScan.MORE:
                     return pos, False
                 if status is NameScan.INVALID:
-                    self._sink.end_call()
+                    self._cut_call()
                     return pos, True
                 pos = at if delimiter == "{" else at + len(delimiter)
                 self._state = _State.BEFORE_ARGUMENTS
@@ -104,7 +110,7 @@ class MistralBlock(BlockReader):
                 if start == len(text) and not final:
                     return pos, False
                 if start == len(text) or text[start] != "{":
-                    self._sink.end_call()
+                    self._cut_call()
                     return pos, True
                 pos, self._state = start, _State.ARGUMENTS
             else:
@@ -114,15 +120,22 @@ class MistralBlock(BlockReader):
         for at in range(pos, len(text)):
             step = self._arguments.push(text[at])
             if step is not Step.ACCEPTED:
-                self._sink.arguments(self._arguments.drain_final())
-                self._sink.end_call()
+                self._end_call()
                 return (at + 1 if step is Step.COMPLETE else at), True
         if final:
-            self._sink.arguments(self._arguments.drain_final())
-            self._sink.end_call()
+            self._end_call()
             return len(text), True
         self._sink.arguments(self._arguments.drain_ready())
         return len(text), False
+
+    def _end_call(self) -> None:
+        self._arguments.send_final(self._sink)
+        self._sink.end_call()
+
+    def _cut_call(self) -> None:
+        """End the call before its arguments: what follows the name is not ours."""
+        self._sink.note_repair()
+        self._sink.end_call()
 
 
 @register_tool_parser("mistral")

@@ -72,6 +72,7 @@ class PoolsideBlock(BlockReader):
         self._key = ""
         self._value: ValueReader | None = None
         self.committed = False
+        self.closed = False
 
     def read(self, text: str, pos: int, final: bool) -> tuple[int, bool]:
         while True:
@@ -97,6 +98,7 @@ class PoolsideBlock(BlockReader):
                     pos, self._state = at + len(tag), _State.KEY
                 elif tag == CALL_CLOSE:
                     self._writer.end_call()
+                    self.closed = True
                     return at + len(tag), True
                 elif more:
                     return at, False
@@ -117,7 +119,8 @@ class PoolsideBlock(BlockReader):
                 match = match_tag(text, at, VALUE_OPEN, final)
                 if match is Match.MORE:
                     return at, False
-                if match is Match.NO:  # a key without a value: dropped
+                if match is Match.NO:  # a key without a value: dropped, a repair
+                    self._sink.note_repair()
                     pos, self._state = at, _State.BODY
                     continue
                 spec = self._options.tools.get(self._name)

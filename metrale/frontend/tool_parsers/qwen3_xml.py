@@ -109,6 +109,7 @@ class Qwen3Block(BlockReader):
         self._writer = ArgumentsWriter(sink)
         self._value: ValueReader | None = None
         self.committed = False
+        self.closed = False
 
     def read(self, text: str, pos: int, final: bool) -> tuple[int, bool]:
         while True:
@@ -165,8 +166,11 @@ class Qwen3Block(BlockReader):
                 at = skip_space(text, pos)
                 tag, more = match_any(text, at, (CALL_CLOSE, FUNCTION_OPEN), final)
                 if tag == CALL_CLOSE:
+                    self.closed = True
                     return at + len(tag), True
                 if tag is None:
+                    # A reply with one call stops at `call_end`: ending here closes the block.
+                    self.closed = final and at == len(text)
                     return pos, not more
                 pos, self._state = at + len(tag), _State.NAME
 

@@ -11,6 +11,10 @@ value (the next parameter, the end of the function). A `Boundary` can also ask f
 then the tag counts only when the right tag follows it, so a value that quotes the tags (code
 that documents this very format) keeps them as text.
 
+A value that its closing tag did not end counts its call as repaired. A value that does not
+convert to its schema type stays a string and counts as parsed: the text cannot tell a model's
+slip from a schema looser than it says.
+
 `parameters_grammar` is the other direction, for grammars that force a call: it writes the
 parameters of one call so that these readers convert each value back to one the schema accepts.
 """
@@ -68,6 +72,9 @@ class ArgumentsWriter:
         """Close the arguments object, then the call."""
         self.close()
         self._sink.end_call()
+
+    def note_repair(self) -> None:
+        self._sink.note_repair()
 
     def _member_prefix(self, key: str) -> str:
         self._num_members += 1
@@ -145,12 +152,12 @@ class ValueReader:
                 return at, None, False
             if verdict:
                 self._take(text[pos:at])
-                self._end()
+                self._end(closed=boundary.closes)
                 return (at + len(boundary.tag) if boundary.closes else at), boundary, True
             search = at + 1
         if final:
             self._take(text[pos:])
-            self._end()
+            self._end(closed=False)
             return len(text), None, True
         end = len(text) - partial_tail_len(text, max(pos, search), self._tags)
         self._take(text[pos:end])
@@ -199,7 +206,9 @@ class ValueReader:
         if piece:
             self._writer.string_piece(piece)
 
-    def _end(self) -> None:
+    def _end(self, closed: bool) -> None:
+        if not closed:
+            self._writer.note_repair()
         if self._streams:
             self._writer.close_string()
             return
