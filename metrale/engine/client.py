@@ -24,6 +24,7 @@ from metrale.engine.core_loop import run_engine_core
 from metrale.engine.messages import (
     EngineRequest,
     Failed,
+    ForwardInfo,
     KVCacheStats,
     MessageKind,
     Outputs,
@@ -58,6 +59,7 @@ class EngineClient:
         self._socket_dir = socket_dir
         self._dead_reason: str | None = None
         self.kv_cache: KVCacheStats | None = None
+        self.forward: ForwardInfo | None = None  # what the engine said of its forward, at READY
 
     @classmethod
     async def start(
@@ -95,6 +97,7 @@ class EngineClient:
             await client.shutdown()
             raise
         client.kv_cache = ready.kv_cache
+        client.forward = ready.forward
         # On a GPU the engine sized its pool after loading; validation here needs the size.
         client.config = dataclasses.replace(
             config, cache=dataclasses.replace(config.cache, num_blocks=ready.kv_cache.num_blocks)

@@ -19,10 +19,10 @@ from collections import deque
 
 from metrale.engine.block_pool import BlockPool
 from metrale.engine.kv_cache_manager import KVCacheManager
-from metrale.engine.messages import EngineOutput, EngineRequest
+from metrale.engine.messages import EngineOutput, EngineRequest, StepStats
 from metrale.engine.request import Request
 from metrale.engine.scheduler import Scheduler
-from metrale.engine.step import SchedulerOutput
+from metrale.engine.step import ModelRunnerOutput, SchedulerOutput
 from metrale.engine_args import EngineConfig
 from metrale.runner.gpu_memory import kv_blocks_for_gpu
 from metrale.runner.model_loader import load_model
@@ -38,6 +38,9 @@ class EngineCore:
         self.runner = runner
         self.scheduler = scheduler
         self._in_flight: deque[tuple[SchedulerOutput, LaunchedStep]] = deque()
+        # Each step's figures, until the engine loop ships them (bounded for callers that never
+        # take them, like the offline LLM).
+        self.step_stats: deque[StepStats] = deque(maxlen=4096)
 
     @classmethod
     def from_config(cls, config: EngineConfig, progress: bool = True) -> EngineCore:
@@ -112,19 +115,49 @@ class EngineCore:
 
     def step(self) -> list[EngineOutput]:
         """Launch the next step; return the tokens of the one before it (async) or of it."""
+        start = time.perf_counter()
+        outputs: list[EngineOutput] = []
         if self._in_flight and self.scheduler.needs_pending_tokens():
-            return self._collect()
-        scheduled = self.scheduler.schedule()
-        self._in_flight.append((scheduled, self.runner.launch(scheduled)))
-        keep = 1 if self.config.async_scheduling and not scheduled.is_empty else 0
-        outputs = []
-        while len(self._in_flight) > keep:
-            outputs.extend(self._collect())
+            collected = [self._collect(outputs)]
+        else:
+            scheduled = self.scheduler.schedule()
+            self._in_flight.append((scheduled, self.runner.launch(scheduled)))
+            keep = 1 if self.config.async_scheduling and not scheduled.is_empty else 0
+            collected = []
+            while len(self._in_flight) > keep:
+                collected.append(self._collect(outputs))
+        self._record_stats(time.perf_counter() - start, collected)
         return outputs
 
-    def _collect(self) -> list[EngineOutput]:
+    def _collect(self, outputs: list[EngineOutput]) -> tuple[SchedulerOutput, ModelRunnerOutput]:
         scheduled, launched = self._in_flight.popleft()
-        return self.scheduler.update(scheduled, self.runner.collect(launched))
+        result = self.runner.collect(launched)
+        outputs.extend(self.scheduler.update(scheduled, result))
+        return scheduled, result
+
+    def _record_stats(
+        self, wall_s: float, collected: list[tuple[SchedulerOutput, ModelRunnerOutput]]
+    ) -> None:
+        """One `StepStats` per step collected by this call (the device's steps); the host time
+        of the call goes to the last of them. Preemptions made while scheduling are kept for the
+        next step collected if this call collected none."""
+        host_s = wall_s - sum(result.wait_s for _, result in collected)
+        collected = [(s, r) for s, r in collected if not s.is_empty]
+        if not collected:
+            return
+        preempted, self.scheduler.preempted_ids = self.scheduler.preempted_ids, []
+        for i, (scheduled, result) in enumerate(collected):
+            last = i == len(collected) - 1
+            self.step_stats.append(
+                StepStats(
+                    num_tokens=scheduled.num_tokens,
+                    num_requests=len(scheduled.chunks),
+                    host_s=host_s if last else None,
+                    device_s=result.device_s,
+                    cuda_graph=result.cuda_graph,
+                    preempted=preempted if last else [],
+                )
+            )
 
 
 def validate_request(config: EngineConfig, request: EngineRequest) -> None:

@@ -12,10 +12,12 @@ import gc
 import logging
 import os
 import signal
+import sys
 import traceback
 
 import zmq
 
+from metrale import envs
 from metrale.engine.core import EngineCore
 from metrale.engine.messages import (
     EngineOutput,
@@ -27,8 +29,9 @@ from metrale.engine.messages import (
     decode,
     encode,
 )
-from metrale.engine.stats import kv_cache_stats
+from metrale.engine.stats import forward_info, kv_cache_stats
 from metrale.engine_args import EngineConfig
+from metrale.telemetry import logs
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +49,15 @@ def run_engine_core(
     if not in_process:
         # The API process owns Ctrl-C and SIGTERM and shuts the engine down by message.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+        if (log_file := envs.engine_log_file()) is not None:  # the terminal is the TUI's
+            log_file.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+            os.close(fd)
+            sys.stdout = os.fdopen(1, "w", buffering=1)
+            sys.stderr = os.fdopen(2, "w", buffering=1)
+        logs.configure()  # in the format the API process was started with
     context = context or zmq.Context()
     inputs = context.socket(zmq.PULL)
     inputs.connect(input_addr)
@@ -63,7 +74,9 @@ def run_engine_core(
         # lives as long as the engine: keep it out of the garbage collector's sweeps, which
         # would otherwise walk it again and again from inside the busy loop.
         gc.freeze()
-        outputs.send_multipart(encode(MessageKind.READY, Ready(kv_cache_stats(core))))
+        outputs.send_multipart(
+            encode(MessageKind.READY, Ready(kv_cache_stats(core), forward_info(core)))
+        )
         _serve(core, inputs, outputs, parent_pid=None if in_process else os.getppid())
     except Exception:
         message = traceback.format_exc()
@@ -107,6 +120,7 @@ def _serve(
             step_outputs.extend(core.step())
             changed = True
         if changed:
-            outputs.send_multipart(
-                encode(MessageKind.OUTPUTS, Outputs(step_outputs, kv_cache_stats(core), rejected))
-            )
+            steps = list(core.step_stats)
+            core.step_stats.clear()
+            message = Outputs(step_outputs, kv_cache_stats(core), rejected, steps)
+            outputs.send_multipart(encode(MessageKind.OUTPUTS, message))

@@ -49,6 +49,16 @@ class TokenLogprobs(msgspec.Struct, array_like=True):
     top: list[tuple[int, float]]
 
 
+class RequestTiming(msgspec.Struct, frozen=True, array_like=True):
+    """When the engine saw a request's milestones (`time.monotonic()`, which every process on
+    the machine shares); None for one it never reached."""
+
+    queued_s: float  # added to the engine's queue
+    scheduled_s: float | None  # first scheduled
+    first_token_s: float | None
+    last_token_s: float | None
+
+
 class EngineOutput(msgspec.Struct, frozen=True, array_like=True):
     """What one step produced for one request: new tokens, and whether it ended."""
 
@@ -57,6 +67,7 @@ class EngineOutput(msgspec.Struct, frozen=True, array_like=True):
     new_logprobs: list[TokenLogprobs]
     finish_reason: FinishReason | None
     num_cached_tokens: int
+    timing: RequestTiming | None = None  # on a request's first output, and on an abort's
 
     @property
     def finished(self) -> bool:
@@ -94,8 +105,50 @@ class KVCacheStats(msgspec.Struct, frozen=True):
         return self.num_used_blocks / self.num_blocks
 
 
+class StepStats(msgspec.Struct, frozen=True, array_like=True):
+    """One engine step's figures, for the metrics. `host_s` is the step's wall time less the
+    time it waited for the device; `device_s` the device's time for the forward and sampling
+    (CUDA events; on a CPU the forward's wall time, which is also host time)."""
+
+    num_tokens: int  # tokens the step computed
+    num_requests: int
+    host_s: float | None  # None: counted with another step of the same call
+    device_s: float | None  # None: not measured (a GPU step that samples nothing)
+    cuda_graph: bool  # run as one CUDA graph replay
+    preempted: list[str]  # requests preempted while scheduling it
+
+
+class ForwardInfo(msgspec.Struct, frozen=True):
+    """What the model's forward is, as `/forward` reports it."""
+
+    architecture: str
+    model_type: str
+    dtype: str
+    device: str
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_seq_len: int
+    sliding_window: int | None
+    attention_backend: str
+    kernels: dict[str, str]  # what runs each part of the layer
+    programmatic_dependent_launch: bool
+    cuda_graph_batch_sizes: list[int]
+    kv_cache_dtype: str
+    kv_block_size: int
+    num_kv_blocks: int
+    async_scheduling: bool
+    tensor_parallel_size: int = 1
+    quantization: str | None = None
+
+
 class Ready(msgspec.Struct, frozen=True):
     kv_cache: KVCacheStats
+    forward: ForwardInfo
 
 
 class Outputs(msgspec.Struct, frozen=True):
@@ -107,6 +160,7 @@ class Outputs(msgspec.Struct, frozen=True):
     outputs: list[EngineOutput]
     kv_cache: KVCacheStats
     rejected: list[tuple[str, str]]
+    steps: list[StepStats] = msgspec.field(default_factory=list)
 
 
 class Failed(msgspec.Struct, frozen=True):

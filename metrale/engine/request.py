@@ -17,7 +17,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from metrale.engine.messages import FinishReason, TokenLogprobs
+from metrale.engine.messages import FinishReason, RequestTiming, TokenLogprobs
 from metrale.sampling_params import SamplingParams
 
 
@@ -44,6 +44,11 @@ class Request:
     num_cached_prompt_tokens: int = 0  # prompt tokens served by the prefix cache, first admission
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
+    # The engine's milestones of it (time.monotonic()), for the metrics.
+    queued_time_s: float = field(default_factory=time.monotonic)
+    scheduled_time_s: float | None = None
+    first_token_time_s: float | None = None
+    last_token_time_s: float | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -51,6 +56,15 @@ class Request:
         # Thinking-budget state; it follows from the tokens, so it survives preemption as is.
         self.inside_thinking = thinking is not None and thinking.starts_inside
         self.num_thinking_tokens = 0
+
+    @property
+    def timing(self) -> RequestTiming:
+        return RequestTiming(
+            self.queued_time_s,
+            self.scheduled_time_s,
+            self.first_token_time_s,
+            self.last_token_time_s,
+        )
 
     @property
     def num_prompt_tokens(self) -> int:

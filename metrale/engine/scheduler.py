@@ -16,6 +16,7 @@ request stopped, what the step after computed for it is dropped.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from metrale.config import SchedulerConfig
@@ -39,6 +40,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.preempted_ids: list[str] = []  # since the caller last cleared it (the metrics)
         self._finished_ids: list[str] = []
         # Requests whose steps are decided on the host from their tokens so far (a grammar,
         # penalties, a thinking budget): the few that can make async scheduling wait.
@@ -61,7 +63,7 @@ class Scheduler:
             return None
         self._finish(request, FinishReason.ABORT)
         return EngineOutput(
-            request_id, [], [], FinishReason.ABORT, request.num_cached_prompt_tokens
+            request_id, [], [], FinishReason.ABORT, request.num_cached_prompt_tokens, request.timing
         )
 
     @property
@@ -117,6 +119,7 @@ class Scheduler:
             self.kv_cache.record_admission(request, num_cached)
             if request.num_preemptions == 0:
                 request.num_cached_prompt_tokens = num_cached
+                request.scheduled_time_s = time.monotonic()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             chunks.append(self._schedule_chunk(request, num_new))
@@ -133,6 +136,7 @@ class Scheduler:
     def update(self, scheduled: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineOutput]:
         """Give the step's sampled tokens to their requests and report what changed."""
         outputs = []
+        now = time.monotonic()
         sampled = iter(zip(result.sampled_token_ids, result.logprobs, strict=True))
         for request, chunk in zip(scheduled.requests, scheduled.chunks, strict=True):
             if not chunk.samples:
@@ -142,6 +146,9 @@ class Scheduler:
                 continue
             request.num_pending_tokens -= 1
             request.append_output_token(token_id)
+            if request.first_token_time_s is None:
+                request.first_token_time_s = now
+            request.last_token_time_s = now
             if logprobs is not None:
                 request.output_logprobs.append(logprobs)
             finish_reason = self._check_stop(request, token_id)
@@ -154,6 +161,8 @@ class Scheduler:
                     [] if logprobs is None else [logprobs],
                     finish_reason,
                     request.num_cached_prompt_tokens,
+                    # the engine's milestones are all known once it has its first token
+                    request.timing if request.num_output_tokens == 1 else None,
                 )
             )
         return outputs
@@ -241,6 +250,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
+        self.preempted_ids.append(request.request_id)
         self.waiting.appendleft(request)
 
     def _finish(self, request: Request, reason: FinishReason) -> None:

@@ -1,11 +1,32 @@
-"""The engine's state as `/memory` reports it: the KV pool, the requests, the device memory."""
+"""The engine's reports of itself: its state as `/memory` reports it (the KV pool, the requests,
+the device memory) and its forward as `/forward` describes it."""
 
 from __future__ import annotations
 
 import torch
 
 from metrale.engine.core import EngineCore
-from metrale.engine.messages import DeviceMemory, KVCacheStats
+from metrale.engine.messages import DeviceMemory, ForwardInfo, KVCacheStats
+
+# What runs each part of a decoder layer, by attention backend (see docs/architecture.md).
+_KERNELS = {
+    "triton": {
+        "attention.decode": "triton paged_decode_attention (split-K over the context, GQA-aware)",
+        "attention.prefill": "triton paged_prefill_attention (varlen, over the paged KV)",
+        "rotary_and_kv_store": "triton rotary_kv_store (k rotated into the cache)",
+        "rms_norm": "triton rms_norm (fused residual add)",
+        "silu_and_mul": "triton silu_and_mul",
+        "linear": "torch matmul; one-row steps: triton gemv",
+        "mlp.down_proj": "torch matmul; one-row steps: triton gemv with silu_and_mul fused",
+    },
+    "torch": {
+        "attention": "torch scaled_dot_product_attention over the gathered paged KV",
+        "rotary_and_kv_store": "torch",
+        "rms_norm": "torch (fp32)",
+        "silu_and_mul": "torch",
+        "linear": "torch matmul",
+    },
+}
 
 
 def kv_cache_stats(core: EngineCore) -> KVCacheStats:
@@ -39,3 +60,43 @@ def device_memory(core: EngineCore) -> DeviceMemory:
         allocated_bytes=torch.cuda.memory_allocated(device),
         budget_bytes=int(total * core.config.cache.gpu_memory_utilization),
     )
+
+
+def forward_info(core: EngineCore) -> ForwardInfo:
+    config, model = core.config, core.config.model
+    backend = config.attention_backend
+    graphs = core.runner.graphs
+    cuda = config.device.type == "cuda"
+
+    def name(dtype: torch.dtype) -> str:
+        return str(dtype).removeprefix("torch.")
+
+    return ForwardInfo(
+        architecture=model.architecture,
+        model_type=model.model_type,
+        dtype=name(config.dtype),
+        device=str(config.device),
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        intermediate_size=model.intermediate_size,
+        num_heads=model.num_heads,
+        num_kv_heads=model.num_kv_heads,
+        head_dim=model.head_dim,
+        vocab_size=model.vocab_size,
+        max_seq_len=config.scheduler.max_seq_len,
+        sliding_window=model.sliding_window,
+        attention_backend=backend,
+        kernels=dict(_KERNELS.get(backend, {})),
+        programmatic_dependent_launch=cuda and backend == "triton" and _pdl(config.device),
+        cuda_graph_batch_sizes=sorted(graphs.graphs) if graphs is not None else [],
+        kv_cache_dtype=name(config.cache.dtype),
+        kv_block_size=config.cache.block_size,
+        num_kv_blocks=core.scheduler.kv_cache.pool.num_blocks,
+        async_scheduling=config.async_scheduling,
+    )
+
+
+def _pdl(device: torch.device) -> bool:
+    from metrale.kernels.pdl import pdl_enabled  # imports triton: only where it runs
+
+    return pdl_enabled(device)

@@ -81,3 +81,8 @@ class ModelRunnerOutput:
 
     sampled_token_ids: list[int]
     logprobs: list[TokenLogprobs | None]
+    # How long the device took (see `StepStats`), how long the host waited for it, and whether
+    # it ran as a CUDA graph replay.
+    device_s: float | None = None
+    wait_s: float = 0.0
+    cuda_graph: bool = False

@@ -11,6 +11,7 @@ this step's samples, on the device.
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,6 +41,10 @@ class LaunchedStep:
     chunks: list[ScheduledChunk]  # the sampling chunks, one per row of `samples`
     samples: SamplerOutput | None  # host tensors, written by non-blocking copies
     copied: torch.cuda.Event | None  # None on CPU, where everything is already done
+    # Recorded before the step's first kernel: with `copied`, the device's time for the step.
+    started: torch.cuda.Event | None = None
+    device_s: float | None = None  # on CPU, the wall time of the forward and sampling
+    cuda_graph: bool = False
 
 
 class ModelRunner:
@@ -68,6 +73,7 @@ class ModelRunner:
         )
         self._generators: dict[str, torch.Generator] = {}
         self._num_samples = 0
+        self.num_graph_replays = 0
         # The latest step's sampled ids, on the device, and its sampling chunks (one per row):
         # the next step's pending input tokens.
         self._last_samples = torch.zeros(0, dtype=torch.int64, device=device)
@@ -107,6 +113,15 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, scheduled: SchedulerOutput) -> LaunchedStep:
         """Queue the step on the device and return without waiting for it."""
+        if self.device.type == "cuda":
+            started = torch.cuda.Event(enable_timing=True)
+            started.record()
+            return dataclasses.replace(self._launch(scheduled), started=started)
+        start = time.perf_counter()
+        step = self._launch(scheduled)
+        return dataclasses.replace(step, device_s=time.perf_counter() - start)
+
+    def _launch(self, scheduled: SchedulerOutput) -> LaunchedStep:
         for request_id in scheduled.finished_request_ids:
             self._generators.pop(request_id, None)
             if self.structured_outputs is not None:
@@ -119,6 +134,7 @@ class ModelRunner:
         if graph is not None:
             self._fill_inputs(chunks, padded_num_seqs=graph.num_seqs)
             logits = graph.replay()[: len(chunks)]
+            self.num_graph_replays += 1
         else:
             input_ids, positions, meta, logits_indices = self._prepare_inputs(chunks)
             hidden = self.model(input_ids, positions, meta)  # [num_tokens, hidden_size]
@@ -131,7 +147,9 @@ class ModelRunner:
         result = sample(logits.float(), metadata)
         self._last_samples = result.token_ids
         self._last_sampling_chunks = sampling_chunks
-        return self._copy_to_host(result, sampling_chunks)
+        return dataclasses.replace(
+            self._copy_to_host(result, sampling_chunks), cuda_graph=graph is not None
+        )
 
     def _record_inputs_copied(self) -> None:
         if self._inputs_copied is not None:
@@ -348,16 +366,23 @@ class ModelRunner:
         host = SamplerOutput(
             *(to_host(getattr(result, f.name)) for f in dataclasses.fields(result))
         )
-        copied = torch.cuda.Event()
+        copied = torch.cuda.Event(enable_timing=True)
         copied.record()
         return LaunchedStep(chunks, host, copied)
 
     def collect(self, step: LaunchedStep) -> ModelRunnerOutput:
         """Wait for a launched step's samples (the step's one sync with the device)."""
         if step.samples is None:
-            return ModelRunnerOutput([], [])
+            return ModelRunnerOutput([], [], device_s=step.device_s)
+        device_s, wait_s = step.device_s, 0.0
+        # (a GPU step that samples nothing has no end event: its device time goes unmeasured)
         if step.copied is not None:
+            start = time.perf_counter()
             step.copied.synchronize()
+            wait_s = time.perf_counter() - start
+            if step.started is not None:
+                device_s = step.started.elapsed_time(step.copied) / 1e3
+        timing = {"device_s": device_s, "wait_s": wait_s, "cuda_graph": step.cuda_graph}
         result, chunks = step.samples, step.chunks
         token_ids = result.token_ids.tolist()
         for chunk, token_id in zip(chunks, token_ids, strict=True):
@@ -366,7 +391,7 @@ class ModelRunner:
             if token_id != chunk.thinking_opener:  # a thinking block opened: the grammar waits
                 self.structured_outputs.accept(chunk.request_id, token_id)
         if result.logprobs is None:
-            return ModelRunnerOutput(token_ids, [None] * len(token_ids))
+            return ModelRunnerOutput(token_ids, [None] * len(token_ids), **timing)
         chosen = result.logprobs.tolist()
         ranks = result.ranks.tolist()
         top_ids = result.top_ids.tolist()
@@ -379,4 +404,4 @@ class ModelRunner:
                 continue
             top = list(zip(top_ids[row][:n], top_logprobs[row][:n], strict=True))
             logprobs.append(TokenLogprobs(token_ids[row], chosen[row], ranks[row], top))
-        return ModelRunnerOutput(token_ids, logprobs)
+        return ModelRunnerOutput(token_ids, logprobs, **timing)
