@@ -52,3 +52,10 @@ def rate_limit_tpm() -> int | None:
 def rate_limit_max_keys() -> int:
     """How many clients the rate limiter remembers (least recently used forgotten first)."""
     return positive_int("METRALE_RATE_LIMIT_MAX_KEYS") or 10_000
+
+
+def engine_log_file() -> Path | None:
+    """Where the engine-core process writes its output instead of the terminal (set by
+    `met serve --tui`, whose dashboard owns the terminal): METRALE_ENGINE_LOG_FILE."""
+    path = os.environ.get("METRALE_ENGINE_LOG_FILE")
+    return Path(path) if path else None

@@ -11,11 +11,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 
 from metrale.engine.client import EngineClient, EngineDeadError
 from metrale.engine.messages import EngineRequest
 from metrale.frontend.output_processor import CompletionDelta, OutputProcessor
+from metrale.telemetry.hub import Telemetry
 from metrale.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -26,8 +28,11 @@ class RequestRejectedError(ValueError):
 
 
 class AsyncLLM:
-    def __init__(self, client: EngineClient, tokenizer: Tokenizer) -> None:
+    def __init__(
+        self, client: EngineClient, tokenizer: Tokenizer, telemetry: Telemetry | None = None
+    ) -> None:
         self.client = client
+        self.telemetry = telemetry or Telemetry(None)
         self.config = client.config
         self.tokenizer = tokenizer
         self._processor = OutputProcessor(tokenizer)
@@ -47,8 +52,11 @@ class AsyncLLM:
         """Requests sent to the engine that have had no output yet (queued, or in prefill)."""
         return len(self._waiting)
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[CompletionDelta]:
-        """Stream the request's deltas until it finishes; abort it if the caller leaves early."""
+    async def generate(
+        self, request: EngineRequest, api: str = "unknown"
+    ) -> AsyncIterator[CompletionDelta]:
+        """Stream the request's deltas until it finishes; abort it if the caller leaves early.
+        `api` names the route that asked, for the telemetry."""
         request_id = request.request_id
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already running")
@@ -60,6 +68,7 @@ class AsyncLLM:
         finished = False
         try:
             self.client.add_request(request)
+            self.telemetry.request_added(request, api)
             self._waiting.add(request_id)
             item = await queue.get()
             self._waiting.discard(request_id)  # once, not on every delta
@@ -76,6 +85,7 @@ class AsyncLLM:
             self._waiting.discard(request_id)
             self._queues.pop(request_id, None)
             self._processor.remove_request(request_id)
+            self.telemetry.request_closed(request_id)  # if it did not finish: an abort
             if not finished:
                 self.client.abort_requests([request_id])
 
@@ -83,6 +93,7 @@ class AsyncLLM:
         try:
             while True:
                 batch = await self.client.get_outputs()
+                now = time.monotonic()
                 for request_id, message in batch.rejected:
                     self._deliver(request_id, RequestRejectedError(message))
                 for output in batch.outputs:
@@ -91,7 +102,9 @@ class AsyncLLM:
                         continue
                     if delta.abort_in_engine:
                         self.client.abort_requests([delta.request_id])
+                    self.telemetry.delta(delta, output.timing, now)
                     self._deliver(delta.request_id, delta)
+                self.telemetry.engine_outputs(batch, now)
         except EngineDeadError as e:
             logger.error("%s; failing %d open requests", e, len(self._queues))
             for request_id in list(self._queues):

@@ -8,7 +8,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from metrale.server import ops
+from metrale.server import observe, ops
+from metrale.server.access_log import AccessLogMiddleware
 from metrale.server.anthropic import messages as anthropic_messages
 from metrale.server.anthropic.errors import shaped_response
 from metrale.server.errors import APIError, http_status_error
@@ -21,9 +22,16 @@ from metrale.server.state import ServerState
 def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="Metrale", version="0.1.0", docs_url=None, redoc_url=None)
     app.state.server = state
-    for router in (chat.router, completions.router, models.router, ops.router):
+    routers = (
+        chat.router,
+        completions.router,
+        models.router,
+        ops.router,
+        observe.router,
+        anthropic_messages.router,
+    )
+    for router in routers:
         app.include_router(router)
-    app.include_router(anthropic_messages.router)
     describe_request_bodies(app)
 
     @app.exception_handler(APIError)
@@ -45,4 +53,11 @@ def build_app(state: ServerState) -> FastAPI:
     # Keys, limits and the last-resort handler (anything unexpected: a 500 in the route's
     # shape, logged with the request id) wrap every route.
     app.add_middleware(EdgeMiddleware, guard=state.guard)
+    # Outermost: it sees every answer's final status, the edge's refusals too.
+    app.add_middleware(
+        AccessLogMiddleware,
+        metrics=state.llm.telemetry.metrics,
+        routes=[route for router in routers for route in router.routes],
+        enabled=state.settings.access_log,
+    )
     return app

@@ -253,3 +253,21 @@ def output_parser(
     return ChatOutputParser(
         reasoning, tools, max_tool_calls=1 if body.parallel_tool_calls is False else None
     )
+
+
+def report_output(
+    state: ServerState, parsers: list[ChatOutputParser], reasoning_tokens: int | None = None
+) -> None:
+    """Count what the choices' parsers found: reasoning tokens (counted here from the parsers'
+    text unless the route counted them already) and tool-call outcomes by parser."""
+    telemetry = state.llm.telemetry
+    if reasoning_tokens is None:
+        reasoning_tokens = sum(
+            len(state.tokenizer.encode(text, add_special_tokens=False))
+            for parser in parsers
+            if (text := parser.reasoning_text)
+        )
+    telemetry.reasoning_tokens(reasoning_tokens)
+    if (name := state.settings.tool_call_parser) is not None:
+        for parser in parsers:
+            telemetry.tool_calls(name, parser.tool_call_outcomes)

@@ -26,6 +26,7 @@ from metrale.frontend.async_llm import RequestRejectedError
 from metrale.frontend.output_processor import CompletionDelta
 from metrale.outputs import PositionLogprobs
 from metrale.sampling_params import SamplingParams
+from metrale.server import access_log
 from metrale.server.errors import INT64_MIN, APIError
 from metrale.server.security.guard import CLIENT_SCOPE_KEY, Admission
 from metrale.server.state import ServerState
@@ -179,7 +180,12 @@ async def until_deadline(stream: AsyncIterator[T], timeout_s: float | None) -> A
 async def _merged_deltas(
     state: ServerState, prompts: list[PreparedPrompt], admission: Admission | None
 ) -> AsyncIterator[tuple[int, CompletionDelta]]:
-    streams = [state.llm.generate(child) for prompt in prompts for child in prompt.children]
+    record = access_log.current_record()
+    api = record.api if record is not None else "unknown"
+    children = [child for prompt in prompts for child in prompt.children]
+    streams = [state.llm.generate(child, api) for child in children]
+    if record is not None:
+        record.add_prompt(sum(len(child.prompt_token_ids) for child in children))
     generated = 0
     if admission is not None:
         admission.started()
@@ -187,6 +193,8 @@ async def _merged_deltas(
         if len(streams) == 1:
             async for delta in streams[0]:
                 generated += len(delta.token_ids)
+                if record is not None:
+                    record.add(delta)
                 yield 0, delta
             return
         queue: asyncio.Queue[tuple[int, CompletionDelta] | BaseException | None] = asyncio.Queue()
@@ -210,6 +218,8 @@ async def _merged_deltas(
                     raise item
                 else:
                     generated += len(item[1].token_ids)
+                    if record is not None:
+                        record.add(item[1])
                     yield item
         finally:
             for task in tasks:

@@ -28,6 +28,7 @@ class ServerSettings:
     reasoning_field: str = "reasoning_content"  # reasoning_content | reasoning | both
     max_thinking_budget: int | None = None  # tokens; None: think as long as the model likes
     disable_thinking: bool = False
+    access_log: bool = True  # a log line per request (metrale.access)
 
 
 @dataclass

@@ -26,6 +26,7 @@ from metrale.frontend.output_processor import OutputProcessor
 from metrale.frontend.tool_parsers import tool_parser_class, tool_parser_names, tool_specs
 from metrale.server.app import build_app
 from metrale.server.state import ServerSettings, ServerState
+from metrale.telemetry.hub import Telemetry
 from metrale.tokenizer import IncrementalDetokenizer, Tokenizer
 from tests.conftest import build_checkpoint, demo_tokenizer_dir
 from tests.frontend.schema_check import assert_valid
@@ -73,6 +74,7 @@ class InlineLLM:
 
     is_alive = True
     client = SimpleNamespace(kv_cache=None, dead_reason=None)
+    telemetry = Telemetry(None)
 
     def __init__(self, core: EngineCore, tokenizer: Tokenizer) -> None:
         self.core = core
@@ -80,7 +82,7 @@ class InlineLLM:
         self.requests = []
         self.token_ids: dict[str, list[int]] = {}
 
-    async def generate(self, request):
+    async def generate(self, request, api="unknown"):
         self.requests.append(request)
         self.token_ids[request.request_id] = []
         outputs = OutputProcessor(self.tokenizer)

@@ -18,6 +18,7 @@ from metrale.engine_args import EngineArgs
 from metrale.frontend.output_processor import CompletionDelta
 from metrale.server.app import build_app
 from metrale.server.state import ServerSettings, ServerState
+from metrale.telemetry.hub import Telemetry
 from metrale.tokenizer import Tokenizer
 
 WEATHER_TOOL = {
@@ -42,12 +43,13 @@ class ScriptedLLM:
     """Replies to every request with `text`, delivered `piece_len` characters at a time."""
 
     is_alive = True
-    client = SimpleNamespace(kv_cache=None, dead_reason=None)
+    client = SimpleNamespace(kv_cache=None, dead_reason=None, forward=None)
 
     def __init__(self, text: str, piece_len: int) -> None:
         self.text, self.piece_len = text, piece_len
+        self.telemetry = Telemetry(None)
 
-    async def generate(self, request):
+    async def generate(self, request, api="unknown"):
         pieces = [
             self.text[i : i + self.piece_len] for i in range(0, len(self.text), self.piece_len)
         ]
@@ -198,7 +200,7 @@ class RecordingLLM(ScriptedLLM):
         super().__init__(text, piece_len)
         self.requests = []
 
-    async def generate(self, request):
+    async def generate(self, request, api="unknown"):
         self.requests.append(request)
         async for delta in super().generate(request):
             yield delta

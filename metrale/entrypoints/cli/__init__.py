@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from metrale.telemetry import logs
 
 
 @dataclass(frozen=True)
@@ -31,23 +32,36 @@ def build_parser() -> argparse.ArgumentParser:
         prog="met",
         description="Metrale: serve and run open-weight LLMs with Metrale's own engine.",
     )
-    parser.add_argument(
-        "--log-level",
-        default="info",
-        choices=["debug", "info", "warning", "error"],
-        help="logging verbosity",
-    )
+    _add_logging_arguments(parser, argparse.SUPPRESS)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for sub in _SUBCOMMANDS.values():
         sub_parser = subparsers.add_parser(sub.name, help=sub.help, description=sub.help)
         sub.add_arguments(sub_parser)
+        _add_logging_arguments(sub_parser, argparse.SUPPRESS)
         sub_parser.set_defaults(run=sub.run)
     return parser
 
 
+def _add_logging_arguments(parser: argparse.ArgumentParser, default: object) -> None:
+    """Logging flags, taken before or after the subcommand (`met serve --log-format json`)."""
+    g = parser.add_argument_group("logging")
+    g.add_argument(
+        "--log-level",
+        default=default,
+        choices=["debug", "info", "warning", "error"],
+        help="logging verbosity (default: info)",
+    )
+    g.add_argument(
+        "--log-format",
+        default=default,
+        choices=list(logs.FORMATS),
+        help="log lines as text, or one JSON object per line for log collectors (default: text)",
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    logs.configure(getattr(args, "log_level", "info"), getattr(args, "log_format", "text"))
     try:
         return args.run(args)
     except (ValueError, FileNotFoundError) as e:

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import os
 import signal
 import time
 from collections.abc import Iterator
@@ -21,6 +22,9 @@ import uvicorn
 from metrale.engine_args import EngineArgs
 from metrale.entrypoints.cli import Subcommand, register
 from metrale.server.security.config import SecurityConfig
+from metrale.telemetry.bus import EventBus
+from metrale.telemetry.events import Phase
+from metrale.telemetry.logs import EventLogHandler
 
 logger = logging.getLogger("metrale.serve")
 
@@ -39,11 +43,15 @@ PHASES = (
 
 
 @contextlib.contextmanager
-def phase(name: str) -> Iterator[None]:
+def phase(name: str, bus: EventBus) -> Iterator[None]:
+    """Run a startup phase: logged with its duration, and told on the bus as it begins and ends."""
     number = PHASES.index(name) + 1
+    bus.publish(Phase(index=number, total=len(PHASES), name=name))
     start = time.perf_counter()
     yield
-    logger.info("[%2d/%d] %-22s %7.2f s", number, len(PHASES), name, time.perf_counter() - start)
+    duration = time.perf_counter() - start
+    logger.info("[%2d/%d] %-22s %7.2f s", number, len(PHASES), name, duration)
+    bus.publish(Phase(index=number, total=len(PHASES), name=name, duration_s=duration))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -103,6 +111,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="render every prompt with enable_thinking=false (a kill switch)",
     )
     g.add_argument(
+        "--no-access-log",
+        action="store_true",
+        help="no log line per request (metrale.access); the metrics still count them",
+    )
+    g.add_argument(
+        "--tui",
+        action="store_true",
+        help="show a live dashboard in this terminal (startup phases, load, latencies, live "
+        "requests, logs) instead of log lines; the server keeps serving if it closes",
+    )
+    g.add_argument(
         "--engine-in-thread",
         action="store_true",
         help="run the engine core in a thread of the server process (debugging)",
@@ -116,6 +135,59 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _serve(args: argparse.Namespace) -> int:
+    engine_args = EngineArgs.from_cli(args)
+    security = SecurityConfig.from_cli(args)  # a bad flag stops us before the weights load
+    bus = EventBus()
+    bus.bind_loop()
+    root = logging.getLogger()
+    log_events = EventLogHandler(bus)
+    root.addHandler(log_events)
+    dashboard = _start_dashboard(bus, root) if args.tui else None
+    try:
+        return await _start_and_serve(args, engine_args, security, bus)
+    finally:
+        root.removeHandler(log_events)
+        if dashboard is not None:
+            dashboard.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await dashboard
+
+
+def _start_dashboard(bus: EventBus, root: logging.Logger) -> asyncio.Task[None]:
+    """`--tui`: the dashboard runs in a process of its own, fed from the bus. The console's log
+    handlers step aside while it draws (their records reach its log pane through the bus), and
+    the engine process writes to a file. Quitting the dashboard stops the server, as Ctrl+C
+    does; a terminal that goes away (SIGHUP) ends only the dashboard."""
+    from metrale import envs
+    from metrale.tui.process import DashboardProcess
+
+    engine_log = envs.cache_dir() / "engine-core.log"
+    os.environ["METRALE_ENGINE_LOG_FILE"] = str(engine_log)  # the engine process's output
+    logger.info("the engine core logs to %s while the dashboard is up", engine_log)
+    console = [h for h in root.handlers if isinstance(h, logging.StreamHandler)]
+    for handler in console:
+        root.removeHandler(handler)
+    dashboard = DashboardProcess(bus, "metrale serve")
+    asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, dashboard.kill)
+
+    async def show() -> None:
+        try:
+            quit_by_user = await dashboard.run()
+        finally:
+            for handler in console:
+                root.addHandler(handler)
+        if quit_by_user:
+            logger.info("the dashboard was closed: shutting down")
+            signal.raise_signal(signal.SIGINT)
+        else:
+            logger.warning("the dashboard ended (its terminal went away?); still serving")
+
+    return asyncio.create_task(show(), name="dashboard")
+
+
+async def _start_and_serve(
+    args: argparse.Namespace, engine_args: EngineArgs, security: SecurityConfig, bus: EventBus
+) -> int:
     from metrale import demo
     from metrale.checkpoint.weights import preflight
     from metrale.config import ModelConfig
@@ -127,15 +199,15 @@ async def _serve(args: argparse.Namespace) -> int:
     from metrale.server.app import build_app
     from metrale.server.security.guard import Guard
     from metrale.server.state import ServerSettings, ServerState
+    from metrale.telemetry.hub import Telemetry
+    from metrale.telemetry.metrics import Metrics
     from metrale.tokenizer import Tokenizer
 
-    engine_args = EngineArgs.from_cli(args)
-    security = SecurityConfig.from_cli(args)  # a bad flag stops us before the weights load
-    with phase("resolve model"):
+    with phase("resolve model", bus):
         model_dir = engine_args.resolve_model_dir()
         if engine_args.is_demo:
             logger.warning(demo.WEIGHTS_NOTICE)
-    with phase("load config"):
+    with phase("load config", bus):
         config = engine_args.create_config(model_dir)
         model_cls = model_class_for(config.model.architecture)
         # Read and check the flags, MODEL.toml and recipes now, before the weights load.
@@ -148,7 +220,7 @@ async def _serve(args: argparse.Namespace) -> int:
                 config.model.model_type,
             ),
         )
-    with phase("select kernels"):
+    with phase("select kernels", bus):
         if config.attention_backend == "triton":
             graphs = config.max_cuda_graph_batch
             logger.info(
@@ -157,17 +229,17 @@ async def _serve(args: argparse.Namespace) -> int:
             )
         else:
             logger.info("attention backend: torch (scaled_dot_product_attention over paged KV)")
-    with phase("backend"):
+    with phase("backend", bus):
         logger.info("device %s, dtype %s", config.device, str(config.dtype).removeprefix("torch."))
-    with phase("communication backend"):
+    with phase("communication backend", bus):
         logger.info("single rank: no tensor parallelism")
-    with phase("preflight and weights"):
+    with phase("preflight and weights", bus):
         if config.load_format == "safetensors":
             preflight(model_dir, model_cls.checkpoint_shapes(ModelConfig.from_dir(model_dir)))
         client = await EngineClient.start(config, in_process=args.engine_in_thread)
         config = client.config  # with the KV pool size the engine settled on
     try:
-        with phase("tokenizer and template"):
+        with phase("tokenizer and template", bus):
             tokenizer = Tokenizer.from_dir(
                 model_dir,
                 chat_template_path=config.chat_template,
@@ -176,8 +248,12 @@ async def _serve(args: argparse.Namespace) -> int:
             template_text = "\n".join(t.text for t in tokenizer.chat_template.sources.values())
             behavior = choose_behavior(sources, template_text)
             logger.info("%s", behavior.describe())
-        with phase("scheduler"):
-            llm = AsyncLLM(client, tokenizer)
+        with phase("scheduler", bus):
+            name = args.served_model_name or (
+                demo.MODEL_NAME if engine_args.is_demo else engine_args.model or str(model_dir)
+            )
+            metrics = Metrics(name, config.scheduler.max_seq_len)
+            llm = AsyncLLM(client, tokenizer, Telemetry(metrics, bus))
             llm.start()
             assert client.kv_cache is not None
             logger.info(
@@ -188,10 +264,7 @@ async def _serve(args: argparse.Namespace) -> int:
                 config.scheduler.max_seq_len,
                 config.scheduler.max_num_seqs,
             )
-        with phase("router"):
-            name = args.served_model_name or (
-                demo.MODEL_NAME if engine_args.is_demo else engine_args.model or str(model_dir)
-            )
+        with phase("router", bus):
             settings = ServerSettings(
                 served_model_name=name,
                 request_timeout_s=args.request_timeout,
@@ -201,6 +274,7 @@ async def _serve(args: argparse.Namespace) -> int:
                 reasoning_field=args.reasoning_field,
                 max_thinking_budget=behavior.max_thinking_budget,
                 disable_thinking=args.disable_thinking,
+                access_log=not args.no_access_log,
             )
             state = ServerState(
                 llm,
@@ -232,15 +306,15 @@ async def _serve(args: argparse.Namespace) -> int:
             loop.add_signal_handler(sig, server.handle_exit, sig, None)
         listening_start = time.perf_counter()
 
+        bus.publish(Phase(index=len(PHASES), total=len(PHASES), name="listening"))
+
         async def announce() -> None:
             while not server.started:
                 await asyncio.sleep(0.05)
-            logger.info(
-                "[%2d/%d] %-22s %7.2f s",
-                len(PHASES),
-                len(PHASES),
-                "listening",
-                time.perf_counter() - listening_start,
+            duration = time.perf_counter() - listening_start
+            logger.info("[%2d/%d] %-22s %7.2f s", len(PHASES), len(PHASES), "listening", duration)
+            bus.publish(
+                Phase(index=len(PHASES), total=len(PHASES), name="listening", duration_s=duration)
             )
             logger.info("serving %s on http://%s:%d", name, args.bind, args.port)
 

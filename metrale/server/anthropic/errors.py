@@ -16,6 +16,8 @@ from fastapi.responses import JSONResponse
 from metrale.server.errors import APIError
 
 ROUTE_PREFIX = "/v1/messages"
+# Where the error a request was answered with is left for the access log (in the scope state).
+ERROR_SCOPE_KEY = "metrale_error"
 
 _ERROR_TYPES = {
     400: "invalid_request_error",
@@ -52,5 +54,11 @@ def shaped(path: str, e: APIError) -> tuple[int, dict[str, Any]]:
 
 
 def shaped_response(request: Request, e: APIError) -> JSONResponse:
+    note_error(request.scope, e)
     status, body = shaped(request.url.path, e)
     return JSONResponse(body, status_code=status, headers=e.headers)
+
+
+def note_error(scope: dict[str, Any], e: APIError) -> None:
+    """Leave `e`'s code and type in the request's scope, for the access log and the metrics."""
+    scope.setdefault("state", {})[ERROR_SCOPE_KEY] = (e.code, e.error_type)

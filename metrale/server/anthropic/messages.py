@@ -41,6 +41,7 @@ from metrale.server.anthropic.translate import chat_request
 from metrale.server.chat_request import (
     build_prompt,
     output_parser,
+    report_output,
     structured_output,
     thinking_budget,
     tool_call_params,
@@ -183,6 +184,7 @@ class _Reply:
 async def _complete(state: ServerState, reply: _Reply) -> None:
     async for _, delta in stream_deltas(state, [reply.prompt], reply.admission):
         reply.add(delta)
+    report_output(state, [reply.parser])
 
 
 def _event(payload: dict[str, Any]) -> str:
@@ -203,5 +205,6 @@ async def _stream(state: ServerState, reply: _Reply) -> AsyncIterator[str]:
     except Exception as e:
         yield _event(error_body(engine_error(e)))
         return
+    report_output(state, [reply.parser])
     yield _event({"type": "message_delta", "delta": reply.stop(), "usage": reply.usage_body()})
     yield _event({"type": "message_stop"})

@@ -16,6 +16,7 @@ from metrale.server.chat_request import (
     EFFORT_BUDGETS,
     build_prompt,
     output_parser,
+    report_output,
     structured_output,
     thinking_budget,
     tool_call_params,
@@ -158,6 +159,7 @@ async def _complete(
     usage.reasoning_tokens = sum(
         len(state.tokenizer.encode(m.reasoning, add_special_tokens=False)) for m in messages
     )
+    report_output(state, parsers, usage.reasoning_tokens)
     return {
         "id": prompt.request_id,
         "object": "chat.completion",
@@ -258,6 +260,7 @@ async def _stream(
         yield sse.event(engine_error(e).body())
         yield sse.DONE
         return
+    report_output(state, parsers, usage.reasoning_tokens)
     if include_usage:
         yield chunk([], usage=usage.body())
     yield sse.DONE

@@ -25,7 +25,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from metrale.server import sse
-from metrale.server.anthropic.errors import is_anthropic_path, shaped
+from metrale.server.anthropic.errors import is_anthropic_path, note_error, shaped
 from metrale.server.errors import APIError
 from metrale.server.security.api_keys import presented_keys
 from metrale.server.security.guard import (
@@ -63,7 +63,7 @@ class EdgeMiddleware:
             else f"req_{uuid.uuid4().hex}"
         )
         scope.setdefault("state", {})["request_id"] = request_id
-        exchange = _Exchange(scope["path"], send, request_id)
+        exchange = _Exchange(scope, send, request_id)
         try:
             refusal = self._check(scope, headers)
             if (client := scope["state"].get(CLIENT_SCOPE_KEY)) is not None:
@@ -148,8 +148,9 @@ class _Exchange:
     """The response side of one request: what has been sent, so that an error at any point
     still ends it in the API's shape."""
 
-    def __init__(self, path: str, send: Send, request_id: str) -> None:
-        self.path = path
+    def __init__(self, scope: Scope, send: Send, request_id: str) -> None:
+        self.scope = scope
+        self.path = scope["path"]
         self._send = send
         self.request_id = request_id
         self.started = False
@@ -177,6 +178,7 @@ class _Exchange:
 
     async def answer(self, error: APIError) -> None:
         """Send `error` in the route's shape: a whole response, or the end of one begun."""
+        note_error(self.scope, error)
         status, body = shaped(self.path, error)
         try:
             if not self.started:

@@ -1,0 +1,1 @@
+"""What a running server tells about itself: typed events, their bus, the Prometheus metrics."""
