@@ -1,0 +1,289 @@
+"""What the telemetry costs a busy server: `met serve` with its metrics and one `/v1/events`
+subscriber reading every event, against the same server without telemetry, in one run.
+
+"Without" is the package as it was before telemetry landed (`--baseline DIR`: a copy of an older
+`metrale/`, e.g. `git archive 9baa136 metrale | tar -x -C bench/.baseline`); both servers run
+side by side on the same machine and are driven in alternating rounds, so drift hits both
+alike. Workload: `--streams` concurrent streaming `/v1/completions` requests of
+`--prompt-len` random token ids and `--output-len` output tokens each (greedy, EOS ignored),
+sent by `--clients` processes; the subscriber reads in a process of its own.
+The model: a checkpoint directory, or `--dummy qwen3_0.6b` (random weights of Qwen3-0.6B's
+shape with the demo tokenizer's 4096-token vocabulary, so every sampled id decodes).
+
+    python bench/serve_telemetry.py --baseline bench/.baseline [--dummy qwen3_0.6b] \
+        [--streams 256 --prompt-len 128 --output-len 256 --rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import multiprocessing
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent
+REPO = ROOT.parent
+QWEN3_06B_BODY = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "vocab_size": 4096,
+    "hidden_size": 1024,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 40960,
+    "tie_word_embeddings": True,
+    "rope_theta": 1000000.0,
+    "torch_dtype": "bfloat16",
+    "eos_token_id": 2,
+}
+
+
+SAMPLED = tuple(
+    "metrale:" + name
+    for name in (
+        "generation_tokens_total",
+        "request_success_total",
+        "engine_step_seconds_sum",
+        "engine_step_seconds_count",
+        "cuda_graph_replays_total",
+        "events_dropped_total",
+    )
+)
+
+
+def dummy_checkpoint() -> Path:
+    path = Path(tempfile.mkdtemp(prefix="bench-telemetry-"))
+    (path / "config.json").write_text(json.dumps(QWEN3_06B_BODY))
+    for f in (REPO / "metrale" / "demo" / "tokenizer").iterdir():
+        shutil.copy(f, path / f.name)
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(package_dir: Path, model: Path, dummy: bool, extra: list[str], log: Path):
+    port = free_port()
+    cmd = [sys.executable, "-m", "metrale", "serve", "--model-from-path", str(model)]
+    cmd += ["--port", str(port), "--max-seq-len", "2048", "--no-prefix-caching", *extra]
+    if dummy:
+        cmd += ["--load-format", "dummy", "--dtype", "bfloat16"]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            filter(None, [str(package_dir), os.environ.get("PYTHONPATH")])
+        ),
+    }
+    process = subprocess.Popen(
+        cmd, cwd=package_dir, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT
+    )
+    return process, f"http://127.0.0.1:{port}"
+
+
+def wait_healthy(process: subprocess.Popen, url: str, log: Path) -> None:
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"server did not start:\n{log.read_text()[-3000:]}")
+
+
+async def one_stream(client: httpx.AsyncClient, prompt: list[int], output_len: int) -> int:
+    body = {
+        "prompt": prompt,
+        "max_tokens": output_len,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    tokens = 0
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        async for line in response.aiter_lines():
+            if line.startswith("data: {") and '"usage"' in line:
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+    return tokens
+
+
+async def _subscribe(url: str, counts: dict[str, int]) -> None:
+    async with (
+        httpx.AsyncClient(timeout=None) as client,
+        client.stream("GET", url + "/v1/events") as response,
+    ):
+        async for line in response.aiter_lines():
+            if line.startswith("event: "):
+                kind = line[7:]
+                counts[kind] = counts.get(kind, 0) + 1
+
+
+def subscriber(url: str, stop, results) -> None:
+    """Read every event, as a dashboard would, in a process of its own (so the load generator's
+    processes do the same work in both variants) until `stop` is set."""
+
+    async def run() -> None:
+        counts: dict[str, int] = {}
+        task = asyncio.create_task(_subscribe(url, counts))
+        while not stop.is_set():
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.3)  # the last summaries
+        task.cancel()
+        results.put(counts)
+
+    asyncio.run(run())
+
+
+def client_worker(url: str, prompts: list[list[int]], output_len: int, start_at: float):
+    """One load process: its share of the streams, started at `start_at` (wall clock)."""
+
+    async def run() -> tuple[int, float, float]:
+        limits = httpx.Limits(max_connections=len(prompts))
+        async with httpx.AsyncClient(base_url=url, timeout=900, limits=limits) as client:
+            await asyncio.sleep(max(0.0, start_at - time.time()))
+            begin = time.time()
+            tokens = await asyncio.gather(*(one_stream(client, p, output_len) for p in prompts))
+            return sum(tokens), begin, time.time()
+
+    return asyncio.run(run())
+
+
+def load(pool, url: str, prompts: list[list[int]], output_len: int, events: bool) -> dict:
+    context = multiprocessing.get_context("spawn")
+    reader = None
+    if events:
+        stop, results = context.Event(), context.Queue()
+        reader = context.Process(target=subscriber, args=(url, stop, results))
+        reader.start()
+        time.sleep(1.0)  # connected and replaying the startup phases
+    shares = [prompts[i :: pool._max_workers] for i in range(pool._max_workers)]
+    start_at = time.time() + 0.5
+    done = [
+        f.result()
+        for f in [pool.submit(client_worker, url, s, output_len, start_at) for s in shares if s]
+    ]
+    tokens = sum(d[0] for d in done)
+    elapsed = max(d[2] for d in done) - min(d[1] for d in done)
+    counts = {}
+    if reader is not None:
+        stop.set()
+        counts = results.get(timeout=30)
+        reader.join(30)
+    return {"tokens_per_s": tokens / elapsed, "tokens": tokens, "events": counts}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--baseline", type=Path, required=True, help="a directory with metrale/")
+    parser.add_argument("--model", type=Path, help="a checkpoint directory")
+    parser.add_argument("--dummy", choices=["qwen3_0.6b"], help="random weights of this shape")
+    parser.add_argument("--streams", type=int, default=256)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--clients", type=int, default=4, help="load-generating processes")
+    parser.add_argument(
+        "--no-subscriber", action="store_true", help="metrics only: no /v1/events reader"
+    )
+    parser.add_argument("--serve-args", default="", help="more `met serve` flags, for both")
+    parser.add_argument("--out", type=Path, default=ROOT / "results")
+    args = parser.parse_args()
+    model = args.model.resolve() if args.model else dummy_checkpoint()
+    extra = args.serve_args.split()
+    import random
+
+    rng = random.Random(0)
+    prompts = [
+        [rng.randrange(10, 4000) for _ in range(args.prompt_len)] for _ in range(args.streams)
+    ]
+    logs = Path(tempfile.mkdtemp(prefix="bench-telemetry-logs-"))
+    servers = {
+        "baseline": start(
+            args.baseline.resolve(), model, args.dummy is not None, extra, logs / "baseline.log"
+        ),
+        "telemetry": start(REPO, model, args.dummy is not None, extra, logs / "telemetry.log"),
+    }
+    try:
+        pool = ProcessPoolExecutor(args.clients, mp_context=multiprocessing.get_context("spawn"))
+        for name, (process, url) in servers.items():
+            wait_healthy(process, url, logs / f"{name}.log")
+            load(pool, url, prompts[:16], 16, events=False)  # warm up
+        runs: dict[str, list[dict]] = {name: [] for name in servers}
+        for i in range(args.rounds):
+            order = list(servers) if i % 2 == 0 else list(reversed(servers))
+            for name in order:
+                url = servers[name][1]
+                events = name == "telemetry" and not args.no_subscriber
+                result = load(pool, url, prompts, args.output_len, events=events)
+                runs[name].append(result)
+                print(f"round {i} {name}: {result['tokens_per_s']:.0f} tok/s", flush=True)
+        metrics = httpx.get(servers["telemetry"][1] + "/metrics").text
+        forward = httpx.get(servers["telemetry"][1] + "/forward").json()
+    finally:
+        for process, _ in servers.values():
+            process.send_signal(signal.SIGTERM)
+        for process, _ in servers.values():
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+    medians = {name: statistics.median(r["tokens_per_s"] for r in rs) for name, rs in runs.items()}
+    result = {
+        "benchmark": "serve_telemetry",
+        "date": datetime.date.today().isoformat(),
+        "git_sha": subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO
+        ).stdout.strip(),
+        "workload": {
+            "streams": args.streams,
+            "prompt_len": args.prompt_len,
+            "output_len": args.output_len,
+            "rounds": args.rounds,
+            "client_processes": args.clients,
+            "events_subscriber": not args.no_subscriber,
+            "model": args.dummy or str(args.model),
+            "serve_args": extra,
+        },
+        "forward": forward,
+        "runs": runs,
+        "median_tokens_per_s": medians,
+        "telemetry_vs_baseline": medians["telemetry"] / medians["baseline"],
+        "metrics_sample": [line for line in metrics.splitlines() if line.startswith(SAMPLED)],
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    suffix = "-no-subscriber" if args.no_subscriber else ""
+    path = args.out / f"serve_telemetry{suffix}-{result['date']}.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({"median": medians, "ratio": result["telemetry_vs_baseline"]}, indent=2))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
