@@ -83,9 +83,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(package_dir: Path, model: Path, dummy: bool, extra: list[str], log: Path):
+def start(
+    package_dir: Path,
+    model: Path,
+    dummy: bool,
+    extra: list[str],
+    log: Path,
+    profile: Path | None = None,
+):
     port = free_port()
-    cmd = [sys.executable, "-m", "metrale", "serve", "--model-from-path", str(model)]
+    profiler = ["-m", "cProfile", "-o", str(profile)] if profile else []
+    cmd = [sys.executable, *profiler, "-m", "metrale", "serve", "--model-from-path", str(model)]
     cmd += ["--port", str(port), "--max-seq-len", "2048", "--no-prefix-caching", *extra]
     if dummy:
         cmd += ["--load-format", "dummy", "--dtype", "bfloat16"]
@@ -203,12 +211,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--baseline", type=Path, required=True, help="a directory with metrale/")
     parser.add_argument("--model", type=Path, help="a checkpoint directory")
+    parser.add_argument(
+        "--candidate",
+        type=Path,
+        default=REPO,
+        help="the directory with the metrale/ to measure (default: this checkout); the "
+        "baseline's own directory gives an A/A run, which shows the bench's bias between slots",
+    )
     parser.add_argument("--dummy", choices=["qwen3_0.6b"], help="random weights of this shape")
     parser.add_argument("--streams", type=int, default=256)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--clients", type=int, default=4, help="load-generating processes")
+    parser.add_argument(
+        "--profile-api",
+        action="store_true",
+        help="run the telemetry server's API process under cProfile (to --out)",
+    )
     parser.add_argument(
         "--no-subscriber", action="store_true", help="metrics only: no /v1/events reader"
     )
@@ -228,7 +248,14 @@ def main() -> None:
         "baseline": start(
             args.baseline.resolve(), model, args.dummy is not None, extra, logs / "baseline.log"
         ),
-        "telemetry": start(REPO, model, args.dummy is not None, extra, logs / "telemetry.log"),
+        "telemetry": start(
+            args.candidate.resolve(),
+            model,
+            args.dummy is not None,
+            extra,
+            logs / "telemetry.log",
+            args.out / "telemetry-api.prof" if args.profile_api else None,
+        ),
     }
     try:
         pool = ProcessPoolExecutor(args.clients, mp_context=multiprocessing.get_context("spawn"))
@@ -270,6 +297,7 @@ def main() -> None:
             "events_subscriber": not args.no_subscriber,
             "model": args.dummy or str(args.model),
             "serve_args": extra,
+            "candidate": str(args.candidate),
         },
         "forward": forward,
         "runs": runs,
