@@ -73,10 +73,13 @@ SECURITY_ENV = {
 }
 
 
-async def one_stream(client: httpx.AsyncClient, prompt: list[int]) -> int:
+async def one_stream(
+    client: httpx.AsyncClient, prompt: list[int], output_len: int = OUTPUT_LEN
+) -> int:
+    """One streaming completion of `output_len` tokens; the tokens its usage reports."""
     body = {
         "prompt": prompt,
-        "max_tokens": OUTPUT_LEN,
+        "max_tokens": output_len,
         "temperature": 0,
         "ignore_eos": True,
         "stream": True,

@@ -37,23 +37,12 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent
 REPO = ROOT.parent
-QWEN3_06B_BODY = {
-    "architectures": ["Qwen3ForCausalLM"],
-    "model_type": "qwen3",
-    "vocab_size": 4096,
-    "hidden_size": 1024,
-    "intermediate_size": 3072,
-    "num_hidden_layers": 28,
-    "num_attention_heads": 16,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "rms_norm_eps": 1e-6,
-    "max_position_embeddings": 40960,
-    "tie_word_embeddings": True,
-    "rope_theta": 1000000.0,
-    "torch_dtype": "bfloat16",
-    "eos_token_id": 2,
-}
+sys.path.insert(0, str(ROOT))
+from gpu_suite import QWEN3_06B  # noqa: E402
+from serve_cpu import one_stream  # noqa: E402
+
+# Qwen3-0.6B's body with the demo tokenizer's vocabulary, so every sampled id decodes.
+QWEN3_06B_BODY = {**QWEN3_06B, "vocab_size": 4096, "eos_token_id": 2}
 
 
 SAMPLED = tuple(
@@ -121,25 +110,6 @@ def wait_healthy(process: subprocess.Popen, url: str, log: Path) -> None:
             pass
         time.sleep(0.5)
     raise RuntimeError(f"server did not start:\n{log.read_text()[-3000:]}")
-
-
-async def one_stream(client: httpx.AsyncClient, prompt: list[int], output_len: int) -> int:
-    body = {
-        "prompt": prompt,
-        "max_tokens": output_len,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    tokens = 0
-    async with client.stream("POST", "/v1/completions", json=body) as response:
-        async for line in response.aiter_lines():
-            if line.startswith("data: {") and '"usage"' in line:
-                chunk = json.loads(line[6:])
-                if chunk.get("usage"):
-                    tokens = chunk["usage"]["completion_tokens"]
-    return tokens
 
 
 async def _subscribe(url: str, counts: dict[str, int]) -> None:
