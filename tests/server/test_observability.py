@@ -192,8 +192,14 @@ def test_events_tell_each_request_and_summarize_steps(observed):
     r = client.chat.completions.create(
         model=MODEL_NAME, messages=[{"role": "user", "content": "tell me"}], max_tokens=12
     )
+    def told_all() -> bool:  # the request's end, and the summary of the engine going idle
+        finished = [i for i, e in enumerate(got) if e["type"] == "request.finished"]
+        return bool(finished) and any(
+            e["type"] == "step" and e["running"] == 0 for e in got[finished[0] :]
+        )
+
     deadline = time.monotonic() + 10
-    while not any(e["type"] == "request.finished" for e in got) and time.monotonic() < deadline:
+    while not told_all() and time.monotonic() < deadline:
         time.sleep(0.05)
     stop.set()
     client.models.list()  # a request, so the stream sends something and the reader sees stop
