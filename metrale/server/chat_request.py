@@ -23,6 +23,7 @@ from metrale.frontend.reasoning import (
 from metrale.frontend.tool_parsers import make_tool_parser, tool_parser_class, tool_specs
 from metrale.sampling_params import SamplingParams, StructuredOutput, ThinkingBudget
 from metrale.server.errors import APIError
+from metrale.server.generation import PreparedPrompt, prepare
 from metrale.server.protocol import ChatCompletionRequest, ChatMessage
 from metrale.server.state import ServerState
 from metrale.tokenizer import ChatTemplateError
@@ -103,6 +104,47 @@ def build_prompt(state: ServerState, body: ChatCompletionRequest) -> tuple[str, 
             f"the chat template could not render these messages: {e}", param="messages"
         ) from None
     return text, state.tokenizer.encode(text, add_special_tokens=False)
+
+
+def plan_generation(
+    state: ServerState,
+    body: ChatCompletionRequest,
+    prompt_text: str,
+    prompt_ids: list[int],
+    request_id: str,
+    *,
+    max_tokens: int,
+    logprobs: int | None = None,
+    thinking_tokens: int | None = None,
+) -> tuple[PreparedPrompt, list[ChatOutputParser]]:
+    """The engine requests of a rendered chat prompt, and the parser of each choice's text.
+
+    Every route that chats goes through here: the request's sampling knobs, the tool-call
+    format's needs, the grammar (checked before anything is queued, so a bad one is a 400), and
+    the thinking budget: `thinking_tokens` as the route asked, else `reasoning_effort`'s, and
+    with a grammar, as long as the context (the grammar starts where thinking ends, so the
+    engine must track the thinking block).
+    """
+    structured = structured_output(state, body)
+    if structured is not None:
+        state.check_structured_output(structured)
+    try:
+        params = body.sampling_params(
+            max_tokens, logprobs, state.config.generation.sampling_overrides()
+        )
+    except ValueError as e:
+        raise APIError(str(e)) from None
+    params = tool_call_params(state, body, params)
+    if thinking_tokens is None:
+        thinking_tokens = EFFORT_BUDGETS.get(body.reasoning_effort or "")
+    if structured is not None:
+        params = dataclasses.replace(params, structured=structured)
+        thinking_tokens = thinking_tokens or state.config.scheduler.max_seq_len
+    if (budget := thinking_budget(state, thinking_tokens, prompt_text)) is not None:
+        params = dataclasses.replace(params, thinking=budget)
+    prompt = prepare(state, request_id, prompt_ids, params, body.n)
+    parsers = [output_parser(state, body, prompt_text, request_id) for _ in range(body.n)]
+    return prompt, parsers
 
 
 def tool_call_params(

@@ -23,7 +23,6 @@ whole prompt as input; `message_delta` carries the split.
 
 from __future__ import annotations
 
-import dataclasses
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -38,21 +37,13 @@ from metrale.server.anthropic.blocks import ReplyBlocks
 from metrale.server.anthropic.errors import error_body
 from metrale.server.anthropic.protocol import CountTokensRequest, MessagesRequest
 from metrale.server.anthropic.translate import chat_request
-from metrale.server.chat_request import (
-    build_prompt,
-    output_parser,
-    report_output,
-    structured_output,
-    thinking_budget,
-    tool_call_params,
-)
+from metrale.server.chat_request import build_prompt, plan_generation, report_output
 from metrale.server.errors import APIError, parse_body
 from metrale.server.generation import (
     PreparedPrompt,
     Usage,
     admit,
     engine_error,
-    prepare,
     stream_deltas,
     until_disconnected,
 )
@@ -88,22 +79,15 @@ async def create_message(request: Request) -> Any:
             param="messages",
         )
     max_tokens = min(body.max_tokens, max_seq_len - len(prompt_ids))
-    try:
-        params = chat.sampling_params(
-            max_tokens, None, state.config.generation.sampling_overrides()
-        )
-    except ValueError as e:
-        raise APIError(str(e)) from None
-    params = tool_call_params(state, chat, params)
-    requested = body.thinking.budget_tokens if body.thinking is not None else None
-    if (structured := structured_output(state, chat)) is not None:
-        state.check_structured_output(structured)
-        params = dataclasses.replace(params, structured=structured)
-        requested = requested or max_seq_len  # the grammar starts where thinking ends
-    if (budget := thinking_budget(state, requested, prompt_text)) is not None:
-        params = dataclasses.replace(params, thinking=budget)
-    prompt = prepare(state, f"msg_{uuid.uuid4().hex}", prompt_ids, params, 1)
-    parser = output_parser(state, chat, prompt_text, prompt.request_id)
+    prompt, (parser,) = plan_generation(
+        state,
+        chat,
+        prompt_text,
+        prompt_ids,
+        f"msg_{uuid.uuid4().hex}",
+        max_tokens=max_tokens,
+        thinking_tokens=body.thinking.budget_tokens if body.thinking is not None else None,
+    )
     reply = _Reply(prompt, state.settings.served_model_name, parser, max_tokens < body.max_tokens)
     reply.admission = admit(request, state, [prompt])
     if body.stream:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -12,15 +11,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from metrale.frontend.chat_output import ChatDelta, ChatOutputParser, ToolCallDelta
 from metrale.server import sse
-from metrale.server.chat_request import (
-    EFFORT_BUDGETS,
-    build_prompt,
-    output_parser,
-    report_output,
-    structured_output,
-    thinking_budget,
-    tool_call_params,
-)
+from metrale.server.chat_request import build_prompt, plan_generation, report_output
 from metrale.server.errors import APIError, parse_body
 from metrale.server.generation import (
     Choice,
@@ -30,7 +21,6 @@ from metrale.server.generation import (
     default_max_tokens,
     engine_error,
     new_id,
-    prepare,
     stream_deltas,
     until_disconnected,
 )
@@ -89,31 +79,18 @@ async def create_chat_completion(request: Request) -> Any:
     body = await parse_body(request, ChatCompletionRequest)
     state.check_model(body.model)
     state.check_alive()
-    structured = structured_output(state, body)
-    if structured is not None:
-        state.check_structured_output(structured)
     prompt_text, prompt_ids = build_prompt(state, body)
     max_tokens = body.max_completion_tokens or body.max_tokens
-    logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    try:
-        params = body.sampling_params(
-            max_tokens or default_max_tokens(state, len(prompt_ids)),
-            logprobs,
-            state.config.generation.sampling_overrides(),
-        )
-    except ValueError as e:
-        raise APIError(str(e)) from None
-    params = tool_call_params(state, body, params)
-    requested = EFFORT_BUDGETS.get(body.reasoning_effort or "")
-    if structured is not None:
-        # The grammar starts where thinking ends, so the engine must track the thinking block.
-        params = dataclasses.replace(params, structured=structured)
-        requested = requested or state.config.scheduler.max_seq_len
-    if (budget := thinking_budget(state, requested, prompt_text)) is not None:
-        params = dataclasses.replace(params, thinking=budget)
-    prompt = prepare(state, new_id("chatcmpl"), prompt_ids, params, body.n)
+    prompt, parsers = plan_generation(
+        state,
+        body,
+        prompt_text,
+        prompt_ids,
+        new_id("chatcmpl"),
+        max_tokens=max_tokens or default_max_tokens(state, len(prompt_ids)),
+        logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+    )
     model = state.settings.served_model_name
-    parsers = [output_parser(state, body, prompt_text, prompt.request_id) for _ in range(body.n)]
     admission = admit(request, state, [prompt])
     if body.stream:
         include_usage = state.settings.always_include_usage or bool(
