@@ -338,6 +338,42 @@ def test_thinking_config_and_prefill(serving):
     assert rendered(engine, serving.tokenizer).endswith("</think>\n\nIt is")  # no turn end
 
 
+def test_system_message_in_messages_is_rendered_where_it_stands(serving):
+    engine, http = serving()
+    note = [
+        {"type": "text", "text": BILLING.format("48f", "71fea")},
+        {"type": "text", "text": "Tools changed.", "cache_control": {"type": "ephemeral"}},
+        {"type": "text", "text": "read_file is gone."},
+    ]
+    history = [
+        *USER,
+        {"role": "assistant", "content": "Sunny."},
+        {"role": "system", "content": note},
+        {"role": "user", "content": "And Rome?"},
+    ]
+    response = http.post("/v1/messages", json=body(system="Be terse.", messages=history))
+    assert response.status_code == 200, response.text
+    prompt = rendered(engine, serving.tokenizer)
+    assert prompt.startswith("<|im_start|>system\nBe terse.<|im_end|>\n<|im_start|>user\n")
+    assert (
+        "<|im_start|>assistant\nSunny.<|im_end|>\n"
+        "<|im_start|>system\nTools changed.\nread_file is gone.<|im_end|>\n"
+        "<|im_start|>user\nAnd Rome?<|im_end|>\n<|im_start|>assistant\n"
+    ) in prompt
+    assert "billing" not in prompt
+    count = http.post(COUNT, json=body(system="Be terse.", messages=history)).json()
+    assert count["input_tokens"] == len(engine.requests[-1].prompt_token_ids)
+    # Last, it is no prefill; first, with no top-level system, it is the system prompt.
+    http.post("/v1/messages", json=body(messages=[*USER, {"role": "system", "content": "Hi"}]))
+    assert rendered(engine, serving.tokenizer).endswith(
+        "<|im_start|>system\nHi<|im_end|>\n<|im_start|>assistant\n"
+    )
+    http.post("/v1/messages", json=body(messages=[{"role": "system", "content": "Hi"}, *USER]))
+    assert rendered(engine, serving.tokenizer).startswith(
+        "<|im_start|>system\nHi<|im_end|>\n<|im_start|>user\nWeather in Paris?"
+    )
+
+
 def test_billing_header_does_not_change_the_prompt(serving):
     engine, http = serving()
     prompts = []
@@ -417,6 +453,15 @@ def user(*blocks):
     return body(messages=[{"role": "user", "content": list(blocks)}])
 
 
+TOOL_USE_BLOCK = {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {}}
+TOOL_RESULT_BLOCK = {"type": "tool_result", "tool_use_id": "toolu_1", "content": "Sunny"}
+THINKING_BLOCK = {"type": "thinking", "thinking": "Hm.", "signature": "sig"}
+IMAGE_BLOCK = {
+    "type": "image",
+    "source": {"type": "base64", "media_type": "image/png", "data": "AA=="},
+}
+
+
 # (name, path, body (dict, or bytes sent raw), status, Anthropic error type, a word in the message)
 BAD_REQUESTS = [
     ("invalid json", MESSAGES, b'{"model": ', 400, "invalid_request_error", "JSON"),
@@ -480,14 +525,6 @@ BAD_REQUESTS = [
         "messages",
     ),
     ("empty messages", MESSAGES, body(messages=[]), 400, "invalid_request_error", "messages"),
-    (
-        "system role in messages",
-        MESSAGES,
-        body(messages=[{"role": "system", "content": "x"}]),
-        400,
-        "invalid_request_error",
-        "role",
-    ),
     (
         "content of wrong type",
         MESSAGES,
@@ -629,6 +666,52 @@ BAD_REQUESTS = [
         "budget_tokens",
     ),
     ("stream not a bool", MESSAGES, body(stream="yes"), 400, "invalid_request_error", "stream"),
+    (
+        "tool_use in a system message",
+        MESSAGES,
+        body(messages=[*USER, {"role": "system", "content": [TOOL_USE_BLOCK]}]),
+        400,
+        "invalid_request_error",
+        "messages.1.content.0: a system message holds text blocks only",
+    ),
+    (
+        "tool_result in a system message",
+        COUNT,
+        {
+            "model": "m",
+            "messages": [
+                {"role": "system", "content": [{"type": "text", "text": "Hi"}, TOOL_RESULT_BLOCK]},
+                *USER,
+            ],
+        },
+        400,
+        "invalid_request_error",
+        "messages.0.content.1: a system message holds text blocks only",
+    ),
+    (
+        "thinking in a system message",
+        MESSAGES,
+        body(messages=[*USER, {"role": "system", "content": [THINKING_BLOCK]}, *USER]),
+        400,
+        "invalid_request_error",
+        "messages.1.content.0: a system message holds text blocks only, not 'thinking'",
+    ),
+    (
+        "image in a system message",
+        MESSAGES,
+        body(messages=[*USER, {"role": "system", "content": [IMAGE_BLOCK]}]),
+        400,
+        "invalid_request_error",
+        "messages.1.content.0: a system message holds text blocks only, not 'image'",
+    ),
+    (
+        "unknown role",
+        MESSAGES,
+        body(messages=[{"role": "developer", "content": "Hi"}]),
+        400,
+        "invalid_request_error",
+        "messages.0.role",
+    ),
     (
         "count_tokens without messages",
         COUNT,

@@ -4,6 +4,10 @@ As for the OpenAI bodies: strict types, ranges checked with messages that name t
 unknown fields ignored (`cache_control`, `metadata`, `service_tier`, `citations`, ...), so newer
 SDKs and Claude Code keep working. Content blocks are a union tagged by `type`, so an error
 names the block at fault. `translate.py` turns these into the chat route's request at once.
+
+A message's role may be `system` as well as `user` and `assistant`: Claude Code 2.1 sends one
+inside `messages` (its mid-conversation tool-changes beta). Which blocks each role may hold is
+`translate.py`'s check, so the error names the block and says where it belongs.
 """
 
 from __future__ import annotations
@@ -62,7 +66,7 @@ ContentBlock = Annotated[
 
 
 class Message(_Body):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]
     content: str | list[ContentBlock]
 
 

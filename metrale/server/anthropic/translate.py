@@ -6,11 +6,21 @@ parameters and parses reasoning and tool calls; an Anthropic request becomes a
 
   * `system` (a string or text blocks) becomes the first message, with Claude Code's volatile
     billing header removed (see `normalize_system`);
+  * a `system` message inside `messages` (Claude Code 2.1 sends one on a process's first
+    request, for its mid-conversation tool changes) stays a system message where it stands,
+    normalized as `system` is, and dropped when that leaves it empty; only text blocks belong in
+    it. The demo template, as Qwen3's, renders a system message past the first as a system turn
+    in place, so nothing is moved: moving its text into the leading system message would change
+    the prompt's start, and with it the prefix cache of the whole conversation. A template that
+    refuses a system message past the first (Qwen3.5's "System message must be at the
+    beginning.") answers a 400 naming the template's complaint; folding the text into the
+    leading system message for such a template is the fallback to add where the prompt is
+    rendered, since only there is the template known;
   * an assistant turn's `thinking` blocks become `reasoning_content`, its `tool_use` blocks
     `tool_calls` (arguments as the input object), and `redacted_thinking` is dropped;
   * a user turn's `tool_result` blocks become `tool` messages, in order with its text;
   * text blocks of one turn join with a newline, as vLLM joins text parts;
-  * a final assistant turn is a prefill: the reply continues it;
+  * a final assistant turn is a prefill: the reply continues it (a final system message is not);
   * `thinking` maps to the template's `enable_thinking`, when the request says.
 """
 
@@ -99,6 +109,8 @@ def _tool_choice(choice: ToolChoice | None) -> str | dict[str, Any] | None:
 
 
 def _chat_messages(i: int, message: Message) -> list[ChatMessage]:
+    if message.role == "system":
+        return _system_messages(i, message)
     if isinstance(message.content, str):
         return [ChatMessage(role=message.role, content=message.content)]
     if message.role == "assistant":
@@ -130,6 +142,24 @@ def _chat_messages(i: int, message: Message) -> list[ChatMessage]:
     if texts or not out:
         out.append(ChatMessage(role="user", content="\n".join(texts)))
     return out
+
+
+def _system_messages(i: int, message: Message) -> list[ChatMessage]:
+    """A system message inside `messages`: its text, or nothing when there is none."""
+    if isinstance(message.content, str):
+        text = normalize_system(message.content)
+    else:
+        texts = []
+        for j, block in enumerate(message.content):
+            if not isinstance(block, TextBlock):
+                raise APIError(
+                    f"messages.{i}.content.{j}: a system message holds text blocks only, not "
+                    f"{block.type!r} blocks; send this one in a user or assistant message",
+                    param=f"messages.{i}.content.{j}",
+                )
+            texts.append(block)
+        text = normalize_system(texts)
+    return [ChatMessage(role="system", content=text)] if text else []
 
 
 def _assistant_message(i: int, message: Message) -> ChatMessage:
