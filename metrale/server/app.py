@@ -13,7 +13,8 @@ from metrale.server.access_log import AccessLogMiddleware
 from metrale.server.anthropic import messages as anthropic_messages
 from metrale.server.anthropic.errors import shaped_response
 from metrale.server.errors import APIError, http_status_error
-from metrale.server.openai import chat, completions, models
+from metrale.server.openai import chat, completions, conversations, models, stored_completions
+from metrale.server.openai.responses import routes as responses
 from metrale.server.openapi import describe_request_bodies
 from metrale.server.security.middleware import EdgeMiddleware
 from metrale.server.state import ServerState
@@ -24,8 +25,11 @@ def build_app(state: ServerState) -> FastAPI:
     app.state.server = state
     routers = (
         chat.router,
+        stored_completions.router,
         completions.router,
         models.router,
+        responses.router,
+        conversations.router,
         ops.router,
         observe.router,
         anthropic_messages.router,

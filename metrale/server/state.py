@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,6 +14,7 @@ from metrale.sampling_params import StructuredOutput
 from metrale.server.errors import APIError, model_not_found
 from metrale.server.security.config import SecurityConfig
 from metrale.server.security.guard import Guard
+from metrale.server.stores import RecordStore, open_store
 from metrale.tokenizer import Tokenizer
 
 
@@ -22,7 +23,6 @@ class ServerSettings:
     served_model_name: str
     request_timeout_s: float | None = None
     always_include_usage: bool = False
-    max_stored_completions: int = 1000
     tool_call_parser: str | None = None  # a registered format; None: tool calls stay text
     reasoning_parser: str | None = None  # None: thinking stays in the content
     reasoning_field: str = "reasoning_content"  # reasoning_content | reasoning | both
@@ -40,9 +40,12 @@ class ServerState:
     # The effective configuration, as /serve-config reports it (set by `met serve`).
     serve_config: dict[str, Any] = field(default_factory=dict)
     started_at_s: float = field(default_factory=time.time)
-    stored_completions: OrderedDict[str, dict[str, Any]] = field(default_factory=OrderedDict)
     structured_outputs: StructuredOutputs | None = None  # compiled on first use
     guard: Guard = field(default_factory=lambda: Guard(SecurityConfig()))
+    # Stored responses, conversations and chat completions (`--response-store`).
+    store: RecordStore = field(default_factory=lambda: open_store("memory"))
+    # Background responses running now: id -> (their task, their run).
+    background: dict[str, tuple[asyncio.Task, Any]] = field(default_factory=dict)
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.settings.served_model_name:
@@ -65,8 +68,3 @@ class ServerState:
                 f"the engine is not running ({self.llm.client.dead_reason}); restart the server",
                 503,
             )
-
-    def store_completion(self, completion_id: str, body: dict[str, Any]) -> None:
-        self.stored_completions[completion_id] = body
-        while len(self.stored_completions) > self.settings.max_stored_completions:
-            self.stored_completions.popitem(last=False)

@@ -321,6 +321,197 @@ CASES = [
     ),
 ]
 
+RESPONSES = "/v1/responses"
+CONVERSATIONS = "/v1/conversations"
+
+
+def response(**fields):
+    return {"model": MODEL_NAME, "input": "hi", "max_output_tokens": 4, **fields}
+
+
+def user_item(*parts):
+    return {"type": "message", "role": "user", "content": list(parts)}
+
+
+# The Responses API and conversations, in OpenAI's error shape.
+RESPONSES_CASES = [
+    ("invalid json", RESPONSES, b'{"model": ', 400, "JSON"),
+    ("no input at all", RESPONSES, {"model": MODEL_NAME}, 400, "input"),
+    ("input a number", RESPONSES, response(input=5), 400, "input"),
+    ("max_output_tokens zero", RESPONSES, response(max_output_tokens=0), 400, "max_output_tokens"),
+    ("unknown role", RESPONSES, response(input=[{"role": "wizard", "content": "x"}]), 400, "role"),
+    (
+        "image part",
+        RESPONSES,
+        response(input=[user_item({"type": "input_image", "image_url": "http://x/y.png"})]),
+        400,
+        "input_image",
+    ),
+    ("unknown item type", RESPONSES, response(input=[{"type": "teleport"}]), 400, "teleport"),
+    (
+        "item_reference",
+        RESPONSES,
+        response(input=[{"type": "item_reference", "id": "msg_1"}]),
+        400,
+        "item_reference",
+    ),
+    (
+        "function_call without call_id",
+        RESPONSES,
+        response(input=[{"type": "function_call", "name": "f", "arguments": "{}"}]),
+        400,
+        "call_id",
+    ),
+    (
+        "function tool without a name",
+        RESPONSES,
+        response(tools=[{"type": "function", "parameters": {}}]),
+        400,
+        "tools.0.name",
+    ),
+    (
+        "function tool parameters not an object",
+        RESPONSES,
+        response(tools=[{"type": "function", "name": "f", "parameters": "x"}]),
+        400,
+        "parameters",
+    ),
+    ("tool without a type", RESPONSES, response(tools=[{"name": "f"}]), 400, "type"),
+    (
+        "namespace without tools",
+        RESPONSES,
+        response(tools=[{"type": "namespace", "name": "ns"}]),
+        400,
+        "namespace",
+    ),
+    (
+        "duplicate tool names",
+        RESPONSES,
+        response(tools=[{"type": "function", "name": "f"}, {"type": "function", "name": "f"}]),
+        400,
+        "unique",
+    ),
+    (
+        "tool_choice names no tool",
+        RESPONSES,
+        response(
+            tools=[{"type": "function", "name": "f"}],
+            tool_choice={"type": "function", "name": "g"},
+        ),
+        400,
+        "tool_choice",
+    ),
+    (
+        "tool_choice a hosted tool",
+        RESPONSES,
+        response(tools=[{"type": "web_search"}], tool_choice={"type": "web_search"}),
+        400,
+        "tool_choice",
+    ),
+    (
+        "json_schema without a schema",
+        RESPONSES,
+        response(text={"format": {"type": "json_schema", "name": "x"}}),
+        400,
+        "schema",
+    ),
+    ("unknown text format", RESPONSES, response(text={"format": {"type": "xml"}}), 400, "format"),
+    (
+        "previous_response_id and conversation",
+        RESPONSES,
+        response(previous_response_id="resp_1", conversation="conv_1"),
+        400,
+        "conversation",
+    ),
+    ("background unstored", RESPONSES, response(background=True, store=False), 400, "store"),
+    (
+        "unknown previous_response_id",
+        RESPONSES,
+        response(previous_response_id="resp_nope"),
+        404,
+        "resp_nope",
+    ),
+    ("unknown conversation", RESPONSES, response(conversation="conv_nope"), 404, "conv_nope"),
+    (
+        "too many metadata keys",
+        RESPONSES,
+        response(metadata={str(i): "v" for i in range(17)}),
+        400,
+        "metadata",
+    ),
+    ("reasoning effort unknown", RESPONSES, response(reasoning={"effort": "max"}), 400, "effort"),
+    (
+        "input past the context window",
+        RESPONSES,
+        response(input="word " * 2000),
+        400,
+        "context length",
+    ),
+    ("conversation items not a list", CONVERSATIONS, {"items": "hi"}, 400, "items"),
+    (
+        "conversation with an image",
+        CONVERSATIONS,
+        {"items": [user_item({"type": "input_image", "image_url": "http://x"})]},
+        400,
+        "input_image",
+    ),
+    (
+        "too many conversation items",
+        CONVERSATIONS,
+        {"items": [{"role": "user", "content": "x"}] * 21},
+        400,
+        "items",
+    ),
+    ("add no items", CONVERSATIONS + "/conv_nope/items", {"items": []}, 400, "items"),
+    ("cancel an unknown response", RESPONSES + "/resp_nope/cancel", {}, 404, "resp_nope"),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "path", "body", "status", "word"),
+    RESPONSES_CASES,
+    ids=[c[0] for c in RESPONSES_CASES],
+)
+def test_bad_responses_request_gets_a_clear_4xx(server, name, path, body, status, word):
+    response = post(server, path, body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) >= {"message", "type", "param", "code"}
+    assert word.lower() in error["message"].lower(), error
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        ("GET", RESPONSES + "/resp_nope"),
+        ("DELETE", RESPONSES + "/resp_nope"),
+        ("GET", RESPONSES + "/resp_nope/input_items"),
+        ("GET", CONVERSATIONS + "/conv_nope"),
+        ("DELETE", CONVERSATIONS + "/conv_nope"),
+        ("GET", CONVERSATIONS + "/conv_nope/items"),
+        ("GET", CONVERSATIONS + "/conv_nope/items/msg_1"),
+        ("GET", CHAT + "/chatcmpl-nope"),
+        ("DELETE", CHAT + "/chatcmpl-nope"),
+        ("GET", CHAT + "/chatcmpl-nope/messages"),
+    ],
+)
+def test_unknown_ids_are_404s_in_openai_shape(server, method, path):
+    response = httpx.request(method, server.base_url + path, timeout=30)
+    assert response.status_code == 404, response.text
+    assert "nope" in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "query", ["limit=0", "limit=101", "order=sideways", "after=msg_nope", "limit=abc"]
+)
+def test_bad_list_parameters_are_400s(server, query):
+    conversation = httpx.post(server.base_url + CONVERSATIONS, json={}, timeout=30).json()
+    path = f"{CONVERSATIONS}/{conversation['id']}/items?{query}"
+    response = httpx.get(server.base_url + path, timeout=30)
+    assert response.status_code == 400, response.text
+    assert "error" in response.json()
+
+
 MESSAGES = "/v1/messages"
 
 

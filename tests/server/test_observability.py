@@ -192,6 +192,7 @@ def test_events_tell_each_request_and_summarize_steps(observed):
     r = client.chat.completions.create(
         model=MODEL_NAME, messages=[{"role": "user", "content": "tell me"}], max_tokens=12
     )
+
     def told_all() -> bool:  # the request's end, and the summary of the engine going idle
         finished = [i for i, e in enumerate(got) if e["type"] == "request.finished"]
         return bool(finished) and any(

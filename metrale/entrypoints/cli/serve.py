@@ -22,6 +22,7 @@ import uvicorn
 from metrale.engine_args import EngineArgs
 from metrale.entrypoints.cli import Subcommand, register
 from metrale.server.security.config import SecurityConfig
+from metrale.server.stores import RecordStore, StoreLimits, open_store
 from metrale.telemetry.bus import EventBus
 from metrale.telemetry.events import Phase
 from metrale.telemetry.logs import EventLogHandler
@@ -111,6 +112,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="render every prompt with enable_thinking=false (a kill switch)",
     )
     g.add_argument(
+        "--response-store",
+        default="memory",
+        metavar="memory|sqlite:PATH",
+        help="where stored responses, conversations and chat completions (store: true) are "
+        "kept: in this process, or in a SQLite file that survives restarts",
+    )
+    g.add_argument(
+        "--response-store-max-entries",
+        type=int,
+        default=StoreLimits.max_entries,
+        metavar="N",
+        help="records kept at most; past it (or the size cap) the least recently used go",
+    )
+    g.add_argument(
+        "--response-store-max-mb",
+        type=float,
+        default=StoreLimits.max_bytes / 2**20,
+        metavar="MIB",
+        help="the stored records' JSON, in MiB, at most",
+    )
+    g.add_argument(
+        "--response-store-ttl",
+        type=float,
+        default=StoreLimits.ttl_s / 3600,
+        metavar="HOURS",
+        help="a record not read or written for this long expires (default: 30 days)",
+    )
+    g.add_argument(
         "--no-access-log",
         action="store_true",
         help="no log line per request (metrale.access); the metrics still count them",
@@ -137,6 +166,7 @@ def run(args: argparse.Namespace) -> int:
 async def _serve(args: argparse.Namespace) -> int:
     engine_args = EngineArgs.from_cli(args)
     security = SecurityConfig.from_cli(args)  # a bad flag stops us before the weights load
+    store = _open_store(args)
     bus = EventBus()
     bus.bind_loop()
     root = logging.getLogger()
@@ -144,8 +174,9 @@ async def _serve(args: argparse.Namespace) -> int:
     root.addHandler(log_events)
     dashboard = _start_dashboard(bus, root) if args.tui else None
     try:
-        return await _start_and_serve(args, engine_args, security, bus)
+        return await _start_and_serve(args, engine_args, security, bus, store)
     finally:
+        store.close()
         root.removeHandler(log_events)
         if dashboard is not None:
             dashboard.cancel()
@@ -186,7 +217,11 @@ def _start_dashboard(bus: EventBus, root: logging.Logger) -> asyncio.Task[None]:
 
 
 async def _start_and_serve(
-    args: argparse.Namespace, engine_args: EngineArgs, security: SecurityConfig, bus: EventBus
+    args: argparse.Namespace,
+    engine_args: EngineArgs,
+    security: SecurityConfig,
+    bus: EventBus,
+    store: RecordStore,
 ) -> int:
     from metrale import demo
     from metrale.checkpoint.weights import preflight
@@ -283,6 +318,7 @@ async def _start_and_serve(
                 settings,
                 serve_config=_effective_config(args, config, settings, behavior, security),
                 guard=Guard(security),
+                store=store,
             )
             if security.api_keys:
                 logger.info(
@@ -330,6 +366,20 @@ async def _start_and_serve(
     return 0
 
 
+def _open_store(args: argparse.Namespace) -> RecordStore:
+    try:
+        limits = StoreLimits(
+            max_entries=args.response_store_max_entries,
+            max_bytes=int(args.response_store_max_mb * 2**20),
+            ttl_s=args.response_store_ttl * 3600,
+        )
+        store = open_store(args.response_store, limits)
+    except ValueError as e:
+        raise SystemExit(f"met serve: --response-store: {e}") from None
+    logger.info("response store: %s (%d records kept)", args.response_store, len(store))
+    return store
+
+
 class _Server(uvicorn.Server):
     """uvicorn re-raises a caught SIGTERM after its shutdown, killing the process before the
     engine core is stopped; `met serve` owns the signals instead and exits 0 once all is down."""
@@ -365,6 +415,7 @@ def _effective_config(
             "reasoning_parser": behavior.reasoning_parser_source,
             "max_thinking_budget": behavior.max_thinking_budget_source,
         },
+        "response_store": args.response_store,
         "security": security.describe(),  # how many API keys, never the keys
         "engine": plain(config),
     }

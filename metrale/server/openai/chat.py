@@ -25,6 +25,7 @@ from metrale.server.generation import (
     until_disconnected,
 )
 from metrale.server.openai.logprobs import chat_logprobs
+from metrale.server.openai.stored_completions import store_completion
 from metrale.server.protocol import ChatCompletionRequest
 from metrale.server.security.guard import Admission
 from metrale.server.state import ServerState
@@ -111,7 +112,7 @@ async def create_chat_completion(request: Request) -> Any:
     except Exception as e:
         raise engine_error(e) from e
     if body.store:
-        state.store_completion(prompt.request_id, result)
+        store_completion(state, result, body.messages)
     return JSONResponse(result)
 
 
@@ -241,17 +242,3 @@ async def _stream(
     if include_usage:
         yield chunk([], usage=usage.body())
     yield sse.DONE
-
-
-@router.get("/v1/chat/completions/{completion_id}")
-async def get_chat_completion(request: Request, completion_id: str) -> Any:
-    state: ServerState = request.app.state.server
-    stored = state.stored_completions.get(completion_id)
-    if stored is None:
-        raise APIError(
-            f"no stored chat completion with id {completion_id!r} (only completions "
-            f"created with store: true are kept)",
-            404,
-            param="completion_id",
-        )
-    return JSONResponse(stored)
