@@ -318,6 +318,22 @@ def test_stored_chat_completions_list_update_and_delete(client):
         client.chat.completions.retrieve(ids[1])
 
 
+def test_a_streamed_chat_completion_is_stored_as_sent(client):
+    stream = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "stream and keep"}],
+        max_tokens=12,
+        store=True,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    stored = client.chat.completions.retrieve(chunks[0].id)
+    assert stored.choices[0].message.content == text
+    assert stored.usage.completion_tokens == chunks[-1].usage.completion_tokens
+
+
 # --- a restart -----------------------------------------------------------------------------------
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -10,6 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from metrale.frontend.chat_output import ChatDelta, ChatOutputParser, ToolCallDelta
+from metrale.frontend.output_processor import CompletionDelta
 from metrale.server import sse
 from metrale.server.chat_request import build_prompt, plan_generation, report_output
 from metrale.server.errors import APIError, parse_body
@@ -98,13 +100,13 @@ async def create_chat_completion(request: Request) -> Any:
             body.stream_options and body.stream_options.include_usage
         )
         return StreamingResponse(
-            _stream(state, prompt, body, model, include_usage, parsers, admission),
+            _stream(_Completion(state, prompt, body, model, parsers), include_usage, admission),
             media_type="text/event-stream",
         )
     try:
         result = await until_disconnected(
             request,
-            _complete(state, prompt, body, model, parsers, admission),
+            _complete(_Completion(state, prompt, body, model, parsers), admission),
             state.settings.request_timeout_s,
         )
     except APIError:
@@ -116,76 +118,96 @@ async def create_chat_completion(request: Request) -> Any:
     return JSONResponse(result)
 
 
-async def _complete(
-    state: ServerState,
-    prompt: PreparedPrompt,
-    body: ChatCompletionRequest,
-    model: str,
-    parsers: list[ChatOutputParser],
-    admission: Admission,
-) -> dict[str, Any]:
-    choices = [Choice(i) for i in range(body.n)]
-    messages = [ChatDelta() for _ in range(body.n)]
-    usage = Usage(prompt_tokens=len(prompt.prompt_token_ids))
-    async for index, delta in stream_deltas(state, [prompt], admission):
-        choices[index].add(delta)
-        merge(messages[index], parsers[index].feed(delta.text))
+class _Completion:
+    """A completion as its deltas arrive: each choice's tokens and parsed message, and usage;
+    `body()` is the `chat.completion` object (the reply, or what `store: true` keeps of a
+    stream)."""
+
+    def __init__(
+        self,
+        state: ServerState,
+        prompt: PreparedPrompt,
+        body: ChatCompletionRequest,
+        model: str,
+        parsers: list[ChatOutputParser],
+    ) -> None:
+        self.state, self.prompt, self.request, self.model = state, prompt, body, model
+        self.parsers = parsers
+        self.choices = [Choice(i) for i in range(body.n)]
+        self.messages = [ChatDelta() for _ in range(body.n)]
+        self.usage = Usage(prompt_tokens=len(prompt.prompt_token_ids))
+        self.created = int(time.time())
+
+    def add(self, index: int, delta: CompletionDelta) -> ChatDelta:
+        """Take a choice's delta; return what its parser made of it."""
+        self.choices[index].add(delta)
+        parsed = self.parsers[index].feed(delta.text)
         if delta.finished:
-            merge(messages[index], parsers[index].finish())
-        usage.cached_tokens = delta.num_cached_tokens
-    usage.completion_tokens = sum(len(c.token_ids) for c in choices)
-    usage.reasoning_tokens = sum(
-        len(state.tokenizer.encode(m.reasoning, add_special_tokens=False)) for m in messages
-    )
-    report_output(state, parsers, usage.reasoning_tokens)
-    return {
-        "id": prompt.request_id,
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [
-            {
-                "index": c.index,
-                "message": {
-                    "role": "assistant",
-                    "content": None if m.tool_calls and not m.content else m.content,
-                    **message_fields(state, m),
-                },
-                "logprobs": None
-                if c.logprobs is None
-                else {
-                    "content": chat_logprobs(
-                        c.token_ids, c.logprobs, state.tokenizer, body.top_logprobs or 0
-                    )
-                },
-                "finish_reason": finish_reason(c.finish_reason, parser),
-                "stop_reason": c.stop_reason,
-            }
-            for c, m, parser in zip(choices, messages, parsers, strict=True)
-        ],
-        "usage": usage.body(),
-        "metadata": body.metadata,
-    }
+            merge(parsed, self.parsers[index].finish())
+        # A copy: merging grows the calls it keeps, and `parsed` is still to be sent.
+        calls = [dataclasses.replace(call) for call in parsed.tool_calls]
+        merge(self.messages[index], dataclasses.replace(parsed, tool_calls=calls))
+        self.usage.completion_tokens += len(delta.token_ids)
+        self.usage.cached_tokens = delta.num_cached_tokens
+        return parsed
+
+    def finish(self) -> None:
+        self.usage.reasoning_tokens = sum(
+            len(self.state.tokenizer.encode(m.reasoning, add_special_tokens=False))
+            for m in self.messages
+        )
+        report_output(self.state, self.parsers, self.usage.reasoning_tokens)
+
+    def body(self) -> dict[str, Any]:
+        state, request = self.state, self.request
+        return {
+            "id": self.prompt.request_id,
+            "object": "chat.completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [
+                {
+                    "index": c.index,
+                    "message": {
+                        "role": "assistant",
+                        "content": None if m.tool_calls and not m.content else m.content,
+                        **message_fields(state, m),
+                    },
+                    "logprobs": None
+                    if c.logprobs is None
+                    else {
+                        "content": chat_logprobs(
+                            c.token_ids, c.logprobs, state.tokenizer, request.top_logprobs or 0
+                        )
+                    },
+                    "finish_reason": finish_reason(c.finish_reason, parser),
+                    "stop_reason": c.stop_reason,
+                }
+                for c, m, parser in zip(self.choices, self.messages, self.parsers, strict=True)
+            ],
+            "usage": self.usage.body(),
+            "metadata": request.metadata,
+        }
+
+
+async def _complete(completion: _Completion, admission: Admission) -> dict[str, Any]:
+    async for index, delta in stream_deltas(completion.state, [completion.prompt], admission):
+        completion.add(index, delta)
+    completion.finish()
+    return completion.body()
 
 
 async def _stream(
-    state: ServerState,
-    prompt: PreparedPrompt,
-    body: ChatCompletionRequest,
-    model: str,
-    include_usage: bool,
-    parsers: list[ChatOutputParser],
-    admission: Admission,
+    completion: _Completion, include_usage: bool, admission: Admission
 ) -> AsyncIterator[str]:
-    created = int(time.time())
-    usage = Usage(prompt_tokens=len(prompt.prompt_token_ids))
+    state, prompt, body = completion.state, completion.prompt, completion.request
 
     def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
         payload: dict[str, Any] = {
             "id": prompt.request_id,
             "object": "chat.completion.chunk",
-            "created": created,
-            "model": model,
+            "created": completion.created,
+            "model": completion.model,
             "choices": choices,
         }
         if include_usage:
@@ -208,15 +230,7 @@ async def _stream(
         async for index, delta in stream_deltas(
             state, [prompt], admission, state.settings.request_timeout_s
         ):
-            usage.completion_tokens += len(delta.token_ids)
-            usage.cached_tokens = delta.num_cached_tokens
-            parsed = parsers[index].feed(delta.text)
-            if delta.finished:
-                merge(parsed, parsers[index].finish())
-            if parsed.reasoning:
-                usage.reasoning_tokens += len(
-                    state.tokenizer.encode(parsed.reasoning, add_special_tokens=False)
-                )
+            parsed = completion.add(index, delta)
             if not parsed and not delta.finished and delta.logprobs is None:
                 continue
             choice: dict[str, Any] = {
@@ -229,7 +243,7 @@ async def _stream(
                         delta.token_ids, delta.logprobs, state.tokenizer, body.top_logprobs or 0
                     )
                 },
-                "finish_reason": finish_reason(delta.finish_reason, parsers[index]),
+                "finish_reason": finish_reason(delta.finish_reason, completion.parsers[index]),
             }
             if delta.finished:
                 choice["stop_reason"] = delta.stop_reason
@@ -238,7 +252,9 @@ async def _stream(
         yield sse.event(engine_error(e).body())
         yield sse.DONE
         return
-    report_output(state, parsers, usage.reasoning_tokens)
+    completion.finish()
+    if body.store:
+        store_completion(state, completion.body(), body.messages)
     if include_usage:
-        yield chunk([], usage=usage.body())
+        yield chunk([], usage=completion.usage.body())
     yield sse.DONE
