@@ -91,19 +91,45 @@ def thinking_budget(
 
 
 def build_prompt(state: ServerState, body: ChatCompletionRequest) -> tuple[str, list[int]]:
+    """The prompt's text and tokens. A template that refuses system turns past the first (Qwen3.5's
+    "System message must be at the beginning.") gets them folded into the first one instead:
+    agents (Claude Code, Codex) send such turns, and a refusal would leave them stuck."""
+    messages = render_messages(body.messages)
     try:
-        text = state.tokenizer.apply_chat_template(
-            render_messages(body.messages),
-            tools=body.tools,
-            add_generation_prompt=body.add_generation_prompt,
-            continue_final_message=body.continue_final_message,
-            **template_kwargs(state, body),
-        )
+        text = _render(state, body, messages)
     except ChatTemplateError as e:
-        raise APIError(
-            f"the chat template could not render these messages: {e}", param="messages"
-        ) from None
+        folded = fold_system_messages(messages)
+        try:
+            if folded is None:
+                raise
+            text = _render(state, body, folded)
+        except ChatTemplateError:
+            raise APIError(
+                f"the chat template could not render these messages: {e}", param="messages"
+            ) from None
     return text, state.tokenizer.encode(text, add_special_tokens=False)
+
+
+def _render(state: ServerState, body: ChatCompletionRequest, messages: list[dict[str, Any]]) -> str:
+    return state.tokenizer.apply_chat_template(
+        messages,
+        tools=body.tools,
+        add_generation_prompt=body.add_generation_prompt,
+        continue_final_message=body.continue_final_message,
+        **template_kwargs(state, body),
+    )
+
+
+def fold_system_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """`messages` with every system turn after the first position joined (a blank line apart,
+    in order) into a leading one; None when there is none to fold."""
+    later = [m for m in messages[1:] if m["role"] == "system"]
+    if not later:
+        return None
+    first = messages[0] if messages[0]["role"] == "system" else None
+    texts = [m["content"] or "" for m in ([first] if first else []) + later]
+    rest = [m for m in messages[1 if first else 0 :] if m["role"] != "system"]
+    return [{"role": "system", "content": "\n\n".join(texts)}, *rest]
 
 
 def plan_generation(
