@@ -16,6 +16,8 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from metrale.server.anthropic.protocol import CountTokensRequest, MessagesRequest
+from metrale.server.openai.conversations import AddItems, CreateConversation
+from metrale.server.openai.responses.protocol import ResponsesRequest
 from metrale.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -30,6 +32,9 @@ REQUEST_BODIES: dict[str, type[BaseModel]] = {
     "/v1/messages/count_tokens": CountTokensRequest,
     "/tokenize": TokenizeRequest,
     "/detokenize": DetokenizeRequest,
+    "/v1/responses": ResponsesRequest,
+    "/v1/conversations": CreateConversation,
+    "/v1/conversations/{conversation_id}/items": AddItems,
 }
 
 

@@ -72,6 +72,21 @@ ROUTES = {
          "chat_template_kwargs"],
     ),
     "detokenize": ("/detokenize", {"model": MODEL_NAME, "tokens": [1, 2]}, ["model", "tokens"]),
+    "responses": (
+        "/v1/responses",
+        {"model": MODEL_NAME, "input": [{"role": "user", "content": "hi"}], "max_output_tokens": 2},
+        [
+            "model", "input", "instructions", "max_output_tokens", "temperature", "top_p",
+            "tools", "tool_choice", "parallel_tool_calls", "reasoning", "text", "store",
+            "background", "stream", "metadata", "include", "truncation",
+            "previous_response_id", "conversation", "prompt_cache_key", "client_metadata",
+        ],
+    ),
+    "conversations": (
+        "/v1/conversations",
+        {"items": [{"role": "user", "content": "hi"}], "metadata": {"k": "v"}},
+        ["items", "metadata"],
+    ),
 }  # fmt: skip
 
 # Places inside a body where a hostile value does the most harm.
@@ -98,6 +113,16 @@ NESTED = {
     "count_tokens": [("messages", 0, "content"), ("tools", 0, "input_schema")],
     "tokenize": [("messages", 0, "content"), ("chat_template_kwargs", "enable_thinking")],
     "detokenize": [("tokens", 0)],
+    "responses": [
+        ("input", 0, "content"),
+        ("input", 0, "type"),
+        ("input", 0, "content", 0, "type"),
+        ("tools", 0, "name"),
+        ("tools", 0, "parameters"),
+        ("text", "format", "schema"),
+        ("reasoning", "effort"),
+    ],
+    "conversations": [("items", 0, "content"), ("items", 0, "role")],
 }
 
 # What a nested path's parents are made of when the base body lacks them.
@@ -108,6 +133,8 @@ SEEDS = {
     "thinking": {"type": "enabled", "budget_tokens": 2048},
     "system": [{"type": "text", "text": "be brief"}],
     "chat_template_kwargs": {"enable_thinking": False},
+    "text": {"format": {"type": "json_schema", "name": "x", "schema": {}}},
+    "reasoning": {"effort": "low"},
 }
 
 HOSTILE = st.sampled_from(
@@ -211,8 +238,12 @@ def _check_shape(path: str, status: int, content_type: str, text: str) -> None:
         else:
             assert set(body["error"]) >= {"message", "type", "param", "code"}, text
     elif content_type.startswith("text/event-stream"):
-        assert "data: [DONE]" in text or "event: message_stop" in text, text[-500:]
+        ends = ("data: [DONE]", "event: message_stop", "event: response.completed",
+                "event: response.incomplete", "event: response.failed")  # fmt: skip
+        last = text.rstrip("\n").rsplit("\n\n", 1)[-1]
+        assert any(last.startswith(end) for end in ends), text[-500:]
         assert '"type":"server_error"' not in text and '"api_error"' not in text, text[-500:]
+        assert '"code":"server_error"' not in text, text[-500:]
 
 
 def _fuzz(server, examples: int) -> None:

@@ -64,7 +64,7 @@ class OtherItem(_Body):
 
 def _item_kind(value: Any) -> str:
     kind = value.get("type", "message") if isinstance(value, dict) else getattr(value, "type", "")
-    return kind if kind in _ITEM_KINDS else "other"
+    return kind if isinstance(kind, str) and kind in _ITEM_KINDS else "other"
 
 
 _ITEM_KINDS = {"message", "function_call", "function_call_output", "reasoning"}
