@@ -4,7 +4,9 @@
 checkpoint (one decoder layer, the demo tokenizer and chat template) that greedy-decodes, after a
 chat prompt rendered with the generation prompt, exactly the canonical tokens of the reply whose
 keyword token appears in the prompt, then ``<|im_end|>``. So a test can drive the whole server
-(engine included) and know the model's text byte for byte.
+(engine included) and know the model's text byte for byte. `after_tool={keyword: text}` gives a
+keyword a second reply, written when the prompt's last turn is a tool result: an agent's loop
+(call a tool, send its result back) then gets a final answer instead of the same call again.
 
 Why not "the next token is a function of the current token" (one-hot embeddings, attention and
 MLP zeroed, an lm_head mapping each token to its successor)? Reply tokens repeat with different
@@ -34,6 +36,15 @@ in the hundreds.
   dimension to the successor's row alone. Any unit that fires agrees on the successor, by the
   choice of suffix lengths. Histories start at the prompt's last ``<|im_end|>`` (the rest of
   the prompt varies), so a reply that needs more look-back than that is refused.
+* After a tool result. The demo template ends a tool turn with ``</tool_response><|im_end|>``
+  and no other turn ends so, so the token before the last ``<|im_end|>`` tells the two replies
+  of a keyword apart. Such a keyword's histories start one token earlier: ``</tool_response>``
+  for its after-tool reply, "any token but ``</tool_response>``" for its plain one, and the
+  table is built over the states of both, so a state they share (the generation prompt, a
+  common opening) gets a suffix that reaches that token. A unit needs ``</tool_response>``
+  there like any other token; a plain one weighs that token's slot at ``-G`` instead, so it
+  fires without it and falls to ``-40`` with it. Keywords without a second reply keep their
+  histories and write their reply after a tool result too.
 * A fallback. The constant dimension feeds ``<|im_end|>``'s logit a little: in a state no
   unit knows (no keyword, a continuation past the script), the reply ends at once.
 
@@ -77,19 +88,33 @@ class ScriptedReply:
     keyword_id: int
     text: str
     token_ids: tuple[int, ...]  # the reply's canonical tokens, without the final <|im_end|>
+    after_tool: bool = False  # written when the prompt's last turn is a tool result
 
 
 @dataclass(frozen=True)
 class ScriptedCheckpoint:
     path: Path
     replies: dict[str, ScriptedReply]  # by keyword
+    after_tool_replies: dict[str, ScriptedReply]  # by keyword; those with a second reply only
     context_len: int  # the longest suffix any state needs: the number of look-back heads + 1
+
+
+@dataclass(frozen=True)
+class _Except:
+    """A history position that holds any token but `token_id` (what precedes a plain reply's
+    ``<|im_end|>`` when the keyword also has an after-tool reply: anything but
+    ``</tool_response>``)."""
+
+    token_id: int
+
+
+_Token = int | _Except
 
 
 @dataclass(frozen=True)
 class _Unit:
     keyword_index: int
-    context: tuple[int, ...]  # oldest first; the last one is the current token
+    context: tuple[_Token, ...]  # oldest first; the last one is the current token
     successor: int
 
 
@@ -102,57 +127,116 @@ def generation_prompt_tail(tokenizer: Tokenizer) -> list[int]:
 
 
 def _table(
-    tokenizer: Tokenizer, tail: Sequence[int], replies: Sequence[ScriptedReply]
+    tokenizer: Tokenizer,
+    tail: Sequence[int],
+    replies: Sequence[ScriptedReply],
+    after_tool: Mapping[str, ScriptedReply],
 ) -> list[_Unit]:
-    """One unit per (reply, state), with the shortest suffix that decides its successor."""
+    """One unit per (reply, state), with the shortest suffix that decides its successor.
+
+    A keyword's states are those of its plain reply and of its after-tool reply, if any; then
+    both histories start one token before the prompt's last ``<|im_end|>``, where only the
+    after-tool one has ``</tool_response>``.
+    """
     eos_id = tokenizer.token_to_id("<|im_end|>")
-    units: dict[tuple[int, tuple[int, ...]], int] = {}
+    tool_end_id = tokenizer.token_to_id("</tool_response>")
+    units: dict[tuple[int, tuple[_Token, ...]], int] = {}
     for k, reply in enumerate(replies):
-        seq = [*tail, *reply.token_ids, eos_id]
-        states = [(seq[: i + 1], seq[i + 1]) for i in range(len(tail) - 1, len(seq) - 1)]
-        for history, successor in states:
+        second = after_tool.get(reply.keyword)
+        scripts: list[tuple[ScriptedReply, list[_Token]]] = [(reply, [*tail])]
+        if second is not None:
+            scripts = [(reply, [_Except(tool_end_id), *tail]), (second, [tool_end_id, *tail])]
+        states = [
+            (script, seq[: i + 1], seq[i + 1])
+            for script, prefix in scripts
+            for seq in [[*prefix, *script.token_ids, eos_id]]
+            for i in range(len(prefix) - 1, len(seq) - 1)
+        ]
+        for script, history, successor in states:
             for length in range(1, len(history) + 1):
                 suffix = history[-length:]
                 clash = any(
-                    other_next != successor and other[-length:] == suffix[-len(other) :]
-                    for other, other_next in states
+                    other_next != successor and _may_meet(suffix, other)
+                    for _, other, other_next in states
                 )
                 if not clash:
                     break
             else:
-                text = tokenizer.decode(history, skip_special_tokens=False)
+                text = tokenizer.decode(
+                    [t for t in history if isinstance(t, int)], skip_special_tokens=False
+                )
+                rivals = {
+                    rival.after_tool
+                    for rival, other, other_next in states
+                    if other_next != successor and _may_meet(history, other)
+                }
+                if rivals == {script.after_tool}:
+                    which = "after-tool reply" if script.after_tool else "reply"
+                    raise ValueError(
+                        f"{which} {script.keyword!r} continues {text!r} in two ways even with "
+                        "all of its history: make the repeated stretches of the reply differ "
+                        "sooner"
+                    )
                 raise ValueError(
-                    f"reply {reply.keyword!r} continues {text!r} in two ways even with all of "
-                    "its history: make the repeated stretches of the reply differ sooner"
+                    f"the reply and the after-tool reply of {script.keyword!r} continue {text!r} "
+                    "in two ways even with all of their history: make their repeated stretches "
+                    "differ sooner"
                 )
             units[(k, tuple(suffix))] = successor
     return [_Unit(k, context, successor) for (k, context), successor in units.items()]
 
 
-def build_scripted_checkpoint(out: Path, replies: Mapping[str, str]) -> ScriptedCheckpoint:
-    """Write the checkpoint to `out`: for a prompt holding keyword K, it replies `replies[K]`.
+def _may_meet(suffix: Sequence[_Token], history: Sequence[_Token]) -> bool:
+    """Whether one prompt can end with both: a history says nothing before its first token."""
+    n = min(len(suffix), len(history))
+    return all(_may_be_one(a, b) for a, b in zip(suffix[-n:], history[-n:], strict=True))
+
+
+def _may_be_one(a: _Token, b: _Token) -> bool:
+    if isinstance(a, _Except):
+        return isinstance(b, _Except) or b != a.token_id
+    if isinstance(b, _Except):
+        return a != b.token_id
+    return a == b
+
+
+def _token_id(token: _Token) -> int:
+    return token.token_id if isinstance(token, _Except) else token
+
+
+def build_scripted_checkpoint(
+    out: Path, replies: Mapping[str, str], after_tool: Mapping[str, str] | None = None
+) -> ScriptedCheckpoint:
+    """Write the checkpoint to `out`: for a prompt holding keyword K, it replies `replies[K]`,
+    or `after_tool[K]` where K has one and the prompt's last turn is a tool result.
 
     Each keyword must be one token of the demo tokenizer (``" harmonic"``, with its space, as
-    it follows another word) and appear in no reply.
+    it follows another word) and appear in no reply. A keyword without an after-tool reply
+    writes its reply after a tool result too.
     """
     tokenizer = Tokenizer.from_dir(demo_tokenizer_dir())
     eos_id = tokenizer.token_to_id("<|im_end|>")
     tail = generation_prompt_tail(tokenizer)
-    scripted = []
-    for keyword, text in replies.items():
-        keyword_ids = tokenizer.encode(keyword, add_special_tokens=False)
-        if len(keyword_ids) != 1:
-            raise ValueError(f"keyword {keyword!r} is {len(keyword_ids)} tokens; it must be one")
-        token_ids = tuple(tokenizer.encode(text, add_special_tokens=False))
-        assert tokenizer.decode(token_ids, skip_special_tokens=False) == text
-        scripted.append(ScriptedReply(keyword, keyword_ids[0], text, token_ids))
-    units = _table(tokenizer, tail, scripted)
+    after_tool = after_tool or {}
+    if unknown := sorted(set(after_tool) - set(replies)):
+        raise ValueError(
+            f"after-tool keywords {unknown} have no reply: add what they write before a tool "
+            "result to `replies`"
+        )
+    scripted = [
+        _scripted_reply(tokenizer, k, text, after_tool=False) for k, text in replies.items()
+    ]
+    seconds = {
+        k: _scripted_reply(tokenizer, k, text, after_tool=True) for k, text in after_tool.items()
+    }
+    units = _table(tokenizer, tail, scripted, seconds)
 
     context_len = max(len(u.context) for u in units)
-    used = sorted({t for u in units for t in u.context})  # tokens some context reads
+    used = sorted({_token_id(t) for u in units for t in u.context})  # tokens some context reads
     successors = sorted({u.successor for u in units})
     keyword_ids = [r.keyword_id for r in scripted]
-    clashing = set(keyword_ids) & ({t for r in scripted for t in r.token_ids} | set(tail))
+    written = {t for r in [*scripted, *seconds.values()] for t in r.token_ids}
+    clashing = set(keyword_ids) & (written | set(tail) | set(used))
     if clashing or len(set(keyword_ids)) != len(keyword_ids):
         raise ValueError(f"keywords must be distinct and in no reply: {clashing or keyword_ids}")
     if len(used) > HEAD_DIM or len(scripted) > HEAD_DIM:
@@ -211,8 +295,11 @@ def build_scripted_checkpoint(out: Path, replies: Mapping[str, str]) -> Scripted
     down_proj = torch.zeros(hidden, intermediate)
     for n, unit in enumerate(units):
         for offset, token in enumerate(reversed(unit.context)):
-            gate_proj[n, block(offset, token)] = gate
-        gate_proj[n, const] = -gate * (len(unit.context) - 0.5)
+            # An excepted token costs a whole match: the unit falls to -GATE_MARGIN with it.
+            sign = -1.0 if isinstance(token, _Except) else 1.0
+            gate_proj[n, block(offset, _token_id(token))] = sign * gate
+        num_required = sum(isinstance(t, int) for t in unit.context)
+        gate_proj[n, const] = -gate * (num_required - 0.5)
         up_proj[n, keyword_dim + unit.keyword_index] = 1.0
         down_proj[out_dim[unit.successor], n] = OUTPUT_SCALE / (GATE_MARGIN * mlp_scale)
 
@@ -269,7 +356,23 @@ def build_scripted_checkpoint(out: Path, replies: Mapping[str, str]) -> Scripted
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     for name in TOKENIZER_FILES:
         shutil.copyfile(demo_tokenizer_dir() / name, out / name)
-    return ScriptedCheckpoint(out, {r.keyword: r for r in scripted}, context_len)
+    return ScriptedCheckpoint(
+        path=out,
+        replies={r.keyword: r for r in scripted},
+        after_tool_replies=seconds,
+        context_len=context_len,
+    )
+
+
+def _scripted_reply(
+    tokenizer: Tokenizer, keyword: str, text: str, *, after_tool: bool
+) -> ScriptedReply:
+    keyword_ids = tokenizer.encode(keyword, add_special_tokens=False)
+    if len(keyword_ids) != 1:
+        raise ValueError(f"keyword {keyword!r} is {len(keyword_ids)} tokens; it must be one")
+    token_ids = tuple(tokenizer.encode(text, add_special_tokens=False))
+    assert tokenizer.decode(token_ids, skip_special_tokens=False) == text
+    return ScriptedReply(keyword, keyword_ids[0], text, token_ids, after_tool)
 
 
 def _round_up(n: int, multiple: int) -> int:
