@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -98,6 +99,15 @@ def stop_server(server: RunningServer) -> int:
             server.process.kill()
             server.process.wait()
     return server.process.returncode
+
+
+@contextlib.contextmanager
+def serving(model_dir: Path, log_path: Path, *extra: str) -> Iterator[RunningServer]:
+    """A server for a fixture's lifetime, which must shut down cleanly at its end."""
+    running = start_server(model_dir, log_path, *extra)
+    yield running
+    code = stop_server(running)
+    assert code == 0, f"met serve did not shut down cleanly ({code}):\n{running.log()}"
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from tests.conftest import build_checkpoint
-from tests.server.conftest import MODEL_NAME, RunningServer, start_server, stop_server
+from tests.server.conftest import MODEL_NAME, RunningServer, serving
 
 FIXTURE = Path(__file__).parent / "fixtures" / "codex_requests.json"
 WINDOW = 16384  # Codex's default request is about 10k tokens
@@ -26,7 +26,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     model_dir = build_checkpoint(
         tmp_path_factory.mktemp("long-qwen3"), "qwen3", max_position_embeddings=WINDOW
     )
-    running = start_server(
+    with serving(
         model_dir,
         tmp_path_factory.mktemp("serve-codex-requests") / "server.log",
         "--max-seq-len",
@@ -35,10 +35,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
         str(WINDOW // 16 + 64),
         "--tool-call-parser",
         "hermes",
-    )
-    yield running
-    code = stop_server(running)
-    assert code == 0, f"met serve did not shut down cleanly ({code}):\n{running.log()}"
+    ) as running:
+        yield running
 
 
 def captured() -> list[dict[str, Any]]:

@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from tests.scripted_checkpoint import ScriptedCheckpoint, build_scripted_checkpoint
-from tests.server.conftest import MODEL_NAME, RunningServer, start_server, stop_server
+from tests.server.conftest import MODEL_NAME, RunningServer, serving
 from tests.server.test_scripted_tool_calls import FUNCTIONS, SCENARIOS, THOUGHT, Scenario
 
 TOOLS = [{"type": "function", **f} for f in FUNCTIONS]
@@ -42,12 +42,10 @@ def scripted_server(
     scripted: ScriptedCheckpoint, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[RunningServer]:
     log_path = tmp_path_factory.mktemp("serve-responses") / "server.log"
-    running = start_server(
+    with serving(
         scripted.path, log_path, "--reasoning-parser", "qwen3", "--tool-call-parser", "hermes"
-    )
-    yield running
-    code = stop_server(running)
-    assert code == 0, f"met serve did not shut down cleanly ({code}):\n{running.log()}"
+    ) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +55,22 @@ def client(scripted_server: RunningServer) -> openai.OpenAI:
 
 def ask(scenario: Scenario) -> str:
     return f"What is the weather in Paris?{scenario.keyword}"
+
+
+def call_round_trip(scenario: Scenario, call: Any, *before_call: dict) -> list[dict[str, Any]]:
+    """The stateless history of one tool round trip: the question, whatever came before the
+    call (a reasoning item), the call, and its output."""
+    return [
+        {"role": "user", "content": ask(scenario)},
+        *before_call,
+        {
+            "type": "function_call",
+            "call_id": call.call_id,
+            "name": call.name,
+            "arguments": call.arguments,
+        },
+        {"type": "function_call_output", "call_id": call.call_id, "output": "18C"},
+    ]
 
 
 def reply_tokens(scripted: ScriptedCheckpoint, scenario: Scenario) -> int:
@@ -330,16 +344,7 @@ def test_function_call_output_continues_the_turn(client):
         model=MODEL_NAME,
         store=False,
         tools=TOOLS,
-        input=[
-            {"role": "user", "content": ask(scenario)},
-            {
-                "type": "function_call",
-                "call_id": call.call_id,
-                "name": call.name,
-                "arguments": call.arguments,
-            },
-            {"type": "function_call_output", "call_id": call.call_id, "output": "18C"},
-        ],
+        input=call_round_trip(scenario, call),
     )
     assert stateless.usage.input_tokens == second.usage.input_tokens
 
@@ -387,17 +392,7 @@ def test_reasoning_summary_and_encrypted_content(client):
     call = final.output[1]
 
     def continued(reasoning_item: dict[str, Any] | None) -> Any:
-        items = [
-            {"role": "user", "content": ask(scenario)},
-            *([reasoning_item] if reasoning_item else []),
-            {
-                "type": "function_call",
-                "call_id": call.call_id,
-                "name": call.name,
-                "arguments": call.arguments,
-            },
-            {"type": "function_call_output", "call_id": call.call_id, "output": "18C"},
-        ]
+        items = call_round_trip(scenario, call, *([reasoning_item] if reasoning_item else []))
         r = client.responses.create(model=MODEL_NAME, store=False, tools=TOOLS, input=items)
         assert r.status == "completed"
         return r.usage.input_tokens

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from tests.scripted_checkpoint import ScriptedCheckpoint, build_scripted_checkpoint
-from tests.server.conftest import MODEL_NAME, RunningServer, start_server, stop_server
+from tests.server.conftest import MODEL_NAME, RunningServer, serving
 
 WEATHER_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 TAXI_CALL = (
@@ -89,12 +89,10 @@ def scripted_server(
     scripted: ScriptedCheckpoint, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[RunningServer]:
     log_path = tmp_path_factory.mktemp("serve-scripted") / "server.log"
-    running = start_server(
+    with serving(
         scripted.path, log_path, "--reasoning-parser", "qwen3", "--tool-call-parser", "hermes"
-    )
-    yield running
-    code = stop_server(running)
-    assert code == 0, f"met serve did not shut down cleanly ({code}):\n{running.log()}"
+    ) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
