@@ -142,6 +142,7 @@ def plan_generation(
     max_tokens: int,
     logprobs: int | None = None,
     thinking_tokens: int | None = None,
+    max_tool_calls: int | None = None,
 ) -> tuple[PreparedPrompt, list[ChatOutputParser]]:
     """The engine requests of a rendered chat prompt, and the parser of each choice's text.
 
@@ -149,7 +150,7 @@ def plan_generation(
     format's needs, the grammar (checked before anything is queued, so a bad one is a 400), and
     the thinking budget: `thinking_tokens` as the route asked, else `reasoning_effort`'s, and
     with a grammar, as long as the context (the grammar starts where thinking ends, so the
-    engine must track the thinking block).
+    engine must track the thinking block). Calls past `max_tool_calls` are dropped.
     """
     structured = structured_output(state, body)
     if structured is not None:
@@ -169,7 +170,9 @@ def plan_generation(
     if (budget := thinking_budget(state, thinking_tokens, prompt_text)) is not None:
         params = dataclasses.replace(params, thinking=budget)
     prompt = prepare(state, request_id, prompt_ids, params, body.n)
-    parsers = [output_parser(state, body, prompt_text, request_id) for _ in range(body.n)]
+    parsers = [
+        output_parser(state, body, prompt_text, request_id, max_tool_calls) for _ in range(body.n)
+    ]
     return prompt, parsers
 
 
@@ -304,7 +307,11 @@ def _call_grammar(format_name: str, tools_json: str, several: bool) -> str | Non
 
 
 def output_parser(
-    state: ServerState, body: ChatCompletionRequest, prompt_text: str, request_id: str
+    state: ServerState,
+    body: ChatCompletionRequest,
+    prompt_text: str,
+    request_id: str,
+    max_tool_calls: int | None = None,
 ) -> ChatOutputParser:
     """The reasoning and tool-call parsing one choice's text goes through."""
     settings = state.settings
@@ -318,9 +325,8 @@ def output_parser(
             tools=tool_specs(body.tools),
             id_prefix=f"call_{request_id[-8:]}_",
         )
-    return ChatOutputParser(
-        reasoning, tools, max_tool_calls=1 if body.parallel_tool_calls is False else None
-    )
+    limits = [n for n in (max_tool_calls, 1 if body.parallel_tool_calls is False else None) if n]
+    return ChatOutputParser(reasoning, tools, max_tool_calls=min(limits, default=None))
 
 
 def report_output(

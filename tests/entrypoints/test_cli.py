@@ -93,3 +93,36 @@ def test_prefill_budget_defaults_by_device(qwen3_dir, monkeypatch):
     monkeypatch.setattr(engine_args, "_resolve_device", lambda name: torch.device("cuda"))
     gpu = EngineArgs.from_cli(parser.parse_args(flags)).create_config().scheduler
     assert (gpu.max_prefill_tokens, gpu.max_num_batched_tokens) == (8192, 8192 + 16)
+
+
+@pytest.mark.parametrize(
+    ("flags", "word"),
+    [
+        (["--response-store", "redis://x"], "sqlite:PATH"),
+        (["--response-store-max-entries", "0"], "max_entries"),
+        (["--response-store-ttl", "-1"], "ttl"),
+    ],
+)
+def test_bad_response_store_flags_stop_before_the_weights_load(qwen3_dir, tmp_path, flags, word):
+    result = subprocess.run(
+        [sys.executable, "-m", "metrale", "serve", "--model-from-path", str(qwen3_dir), *flags],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode != 0
+    assert word in result.stderr and "Traceback" not in result.stderr, result.stderr[-2000:]
+
+
+def test_a_file_that_is_not_a_database_is_a_clear_error(qwen3_dir, tmp_path):
+    bogus = tmp_path / "notes.txt"
+    bogus.write_text("not a database, just words " * 100)
+    result = subprocess.run(
+        [sys.executable, "-m", "metrale", "serve", "--model-from-path", str(qwen3_dir),
+         "--response-store", f"sqlite:{bogus}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert str(bogus) in result.stderr and "Traceback" not in result.stderr, result.stderr[-2000:]

@@ -404,3 +404,15 @@ def test_reasoning_summary_and_encrypted_content(client):
     }
     foreign = {"type": "reasoning", "summary": [], "encrypted_content": "gAAAAABo-opaque"}
     assert continued(encrypted) > continued(None) == continued(foreign)
+
+
+def test_max_tool_calls_and_parallel_tool_calls_bound_the_calls(client):
+    scenario = SCENARIOS["two_calls"]
+    for fields in ({"max_tool_calls": 1}, {"parallel_tool_calls": False}):
+        r = client.responses.create(model=MODEL_NAME, input=ask(scenario), tools=TOOLS, **fields)
+        calls = [item for item in r.output if item.type == "function_call"]
+        assert [(c.name, json.loads(c.arguments)) for c in calls] == list(scenario.calls[:1])
+    r = client.responses.create(
+        model=MODEL_NAME, input=ask(scenario), tools=TOOLS, max_tool_calls=2
+    )
+    assert len([item for item in r.output if item.type == "function_call"]) == 2

@@ -245,6 +245,19 @@ def test_background_response_can_be_followed_as_a_stream(served, client):
     assert deltas == final.output_text
 
 
+def test_background_stream_is_detached_from_its_client(client):
+    """Streamed and background: the events come as for any stream, and the run is stored."""
+    with client.responses.create(
+        model=MODEL_NAME, input="detached", background=True, stream=True, max_output_tokens=12
+    ) as stream:
+        events = list(stream)
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[0].type == "response.created"
+    assert events[-1].type in ("response.completed", "response.incomplete")
+    stored = client.responses.retrieve(events[-1].response.id)
+    assert stored.output_text == events[-1].response.output_text and stored.background
+
+
 # --- conversations -------------------------------------------------------------------------------
 
 

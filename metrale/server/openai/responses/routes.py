@@ -70,7 +70,10 @@ async def create_response(request: Request) -> Any:
     assert run.prompt is not None
     run.admission = admit(request, state, [run.prompt])
     if body.background:
-        return JSONResponse(_start_background(state, run, input_items))
+        queued = _start_background(state, run, input_items)
+        if body.stream:  # the run is detached: the client may leave and follow it again later
+            return _event_stream(_frame(event) async for event in run.follow())
+        return JSONResponse(queued)
     if body.stream:
         return _event_stream(_stream(state, run, input_items))
     try:
@@ -103,7 +106,13 @@ def _plan(state: ServerState, run: ResponseRun, items: list[Any]) -> None:
     room = max_seq_len - len(prompt_ids)
     max_tokens = min(run.body.max_output_tokens or room, room)
     run.prompt, (run.parser,) = plan_generation(
-        state, chat, prompt_text, prompt_ids, run.id, max_tokens=max_tokens
+        state,
+        chat,
+        prompt_text,
+        prompt_ids,
+        run.id,
+        max_tokens=max_tokens,
+        max_tool_calls=run.body.max_tool_calls,
     )
     run.usage.prompt_tokens = len(prompt_ids)
 
