@@ -416,3 +416,22 @@ def test_max_tool_calls_and_parallel_tool_calls_bound_the_calls(client):
         model=MODEL_NAME, input=ask(scenario), tools=TOOLS, max_tool_calls=2
     )
     assert len([item for item in r.output if item.type == "function_call"]) == 2
+
+
+@pytest.mark.parametrize("effort", ["none", "low", "high"])
+def test_reasoning_effort_renders_and_budgets_as_on_chat(client, effort):
+    """`reasoning.effort` is chat's `reasoning_effort`: "none" renders the prompt without
+    thinking, the others set the thinking budget; the prompts are the same on both routes."""
+    scenario = SCENARIOS["thinking_then_call"]
+    r = client.responses.create(
+        model=MODEL_NAME, input=ask(scenario), tools=TOOLS, reasoning={"effort": effort}
+    )
+    chat = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": ask(scenario)}],
+        tools=[{"type": "function", "function": f} for f in FUNCTIONS],
+        reasoning_effort=effort,
+    )
+    assert r.usage.input_tokens == chat.usage.prompt_tokens
+    assert r.usage.output_tokens == chat.usage.completion_tokens
+    assert r.reasoning.effort == effort
