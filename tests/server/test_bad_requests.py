@@ -589,8 +589,9 @@ def test_table_is_large_enough():
     assert len(CASES) >= 50
 
 
-def test_wrong_method_is_an_api_error(server):
-    response = httpx.get(server.base_url + CHAT)
+@pytest.mark.parametrize(("method", "path"), [("PUT", CHAT), ("GET", COMPLETIONS)])
+def test_wrong_method_is_an_api_error(server, method, path):
+    response = httpx.request(method, server.base_url + path)
     assert response.status_code == 405
     assert "error" in response.json()
 
