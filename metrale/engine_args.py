@@ -101,9 +101,10 @@ CPU_PREFILL_TOKENS = 2048
 class EngineArgs:
     model: str | None = None
     model_from_path: str | None = None
+    gguf_file: str | None = None  # which GGUF file of a directory or repository
     dtype: str = "auto"
     device: str = "auto"
-    load_format: str = "safetensors"
+    load_format: str = "auto"
     seed: int = 0
     max_seq_len: int | None = None
     max_num_seqs: int = 128
@@ -129,8 +130,14 @@ class EngineArgs:
         g.add_argument(
             "--model-from-path",
             metavar="DIR",
-            help="load the checkpoint in DIR "
-            "(config.json, safetensors, tokenizer.json) instead of a Hugging Face id",
+            help="load the checkpoint in DIR (config.json, safetensors, tokenizer.json), or a "
+            "GGUF file, instead of a Hugging Face id",
+        )
+        g.add_argument(
+            "--gguf-file",
+            metavar="NAME",
+            help="the GGUF file to serve when the directory or Hugging Face repository holds "
+            "several (only it is downloaded)",
         )
         g.add_argument(
             "--dtype",
@@ -144,8 +151,9 @@ class EngineArgs:
         g.add_argument(
             "--load-format",
             default=d.load_format,
-            choices=["safetensors", "dummy"],
-            help="dummy: random weights of the checkpoint's shapes (benchmarks)",
+            choices=["auto", "safetensors", "gguf", "dummy"],
+            help="auto: the GGUF file the model came from, else its safetensors; dummy: random "
+            "weights of the checkpoint's shapes (benchmarks)",
         )
         g.add_argument("--seed", type=int, default=d.seed, help="seed for dummy weights")
         g.add_argument(
@@ -256,7 +264,7 @@ class EngineArgs:
 
         if self.is_demo:
             return demo.ensure_checkpoint()
-        return resolve_model_dir(self.model, self.model_from_path)
+        return resolve_model_dir(self.model, self.model_from_path, self.gguf_file)
 
     def create_config(self, model_dir: Path | None = None) -> EngineConfig:
         from metrale import demo

@@ -75,13 +75,17 @@ def hf_greedy(
     dtype: torch.dtype = torch.float32,
     attn_implementation: str = "sdpa",
     device: str = "cpu",
+    gguf_file: str | None = None,
+    model: object | None = None,
 ) -> list[Reference]:
-    """transformers' own greedy `generate`, one prompt at a time (no padding)."""
+    """transformers' own greedy `generate`, one prompt at a time (no padding); `gguf_file`: a
+    GGUF file in `model_dir`, which transformers dequantizes; `model`: one already loaded."""
     import transformers
 
-    model = (
+    extra = {"gguf_file": gguf_file} if gguf_file else {}
+    model = model or (
         transformers.AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=dtype, attn_implementation=attn_implementation
+            model_dir, dtype=dtype, attn_implementation=attn_implementation, **extra
         )
         .to(device)
         .eval()

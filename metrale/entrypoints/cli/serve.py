@@ -224,13 +224,13 @@ async def _start_and_serve(
     store: RecordStore,
 ) -> int:
     from metrale import demo
-    from metrale.checkpoint.weights import preflight
     from metrale.config import ModelConfig
     from metrale.engine.client import EngineClient
     from metrale.frontend.async_llm import AsyncLLM
     from metrale.frontend.parser_selection import behavior_sources, choose_behavior
     from metrale.models import model_class_for
     from metrale.recipes import Behavior, Checkpoint, repo_id_of
+    from metrale.runner.model_loader import preflight_checkpoint
     from metrale.server.app import build_app
     from metrale.server.security.guard import Guard
     from metrale.server.state import ServerSettings, ServerState
@@ -269,8 +269,8 @@ async def _start_and_serve(
     with phase("communication backend", bus):
         logger.info("single rank: no tensor parallelism")
     with phase("preflight and weights", bus):
-        if config.load_format == "safetensors":
-            preflight(model_dir, model_cls.checkpoint_shapes(ModelConfig.from_dir(model_dir)))
+        shapes = model_cls.checkpoint_shapes(ModelConfig.from_dir(model_dir))
+        preflight_checkpoint(model_dir, config.load_format, shapes)
         client = await EngineClient.start(config, in_process=args.engine_in_thread)
         config = client.config  # with the KV pool size the engine settled on
     try:
