@@ -164,3 +164,18 @@ def test_a_tensor_the_config_wants_and_the_file_lacks_fails_the_preflight(model_
     expected["model.layers.99.mlp.up_proj.weight"] = (1536, 576)
     with pytest.raises(gguf.CheckpointError, match=r"missing tensor model\.layers\.99"):
         gguf.preflight(SMOLLM, expected)
+
+
+def test_met_serve_a_gguf_file(tmp_path, monkeypatch_module):
+    """The whole server on the file: its name, its template, and an answer that makes sense."""
+    import openai
+
+    from tests.server.conftest import MODEL_NAME, serving
+
+    with serving(SMOLLM, tmp_path / "server.log", "--max-seq-len", "2048") as server:
+        client = openai.OpenAI(base_url=server.api_url, api_key="none", max_retries=0)
+        out = client.chat.completions.create(
+            model=MODEL_NAME, messages=CHATS[0], max_tokens=16, temperature=0
+        )
+    assert "Paris" in out.choices[0].message.content
+    assert out.usage.prompt_tokens > 10
