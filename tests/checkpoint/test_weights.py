@@ -254,7 +254,7 @@ def test_dummy_load_uses_the_requested_dtype(config_only_dir: Path):
 
 
 def test_unknown_load_format(config_only_dir: Path):
-    with pytest.raises(ValueError, match=r"load_format='pt'.*safetensors, dummy"):
+    with pytest.raises(ValueError, match=r"load_format='pt'.*auto, safetensors, gguf, dummy"):
         load_state_dict(config_only_dir, load_format="pt")
 
 

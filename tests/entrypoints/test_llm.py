@@ -135,7 +135,8 @@ def test_unknown_architecture_is_a_clear_error(tmp_path, qwen3_dir):
         LLM(model_from_path=str(tmp_path / "m"))
 
 
-def test_demo_model_runs_offline_and_says_its_weights_are_random(caplog):
+def test_demo_model_runs_offline_and_says_its_weights_are_random(caplog, monkeypatch):
+    monkeypatch.setenv("METRALE_DEMO", "random")  # the random one even with SmolLM2 installed
     with caplog.at_level("WARNING"):
         llm = LLM()
     assert "weights are random" in caplog.text

@@ -78,6 +78,7 @@ def demo_server(tmp_path_factory):
         "METRALE_API_KEY": ",".join([*GOOD_KEYS, HOT_KEY]),
         "METRALE_RATE_LIMIT_RPM": str(RPM),
         "PYTHONUNBUFFERED": "1",
+        "METRALE_DEMO": "random",  # the machinery under load, not a model's speed
     }
     process = subprocess.Popen(
         [sys.executable, "-m", "metrale", "serve", "--port", str(port), "--max-num-seqs", "256"],

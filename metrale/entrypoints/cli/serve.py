@@ -241,7 +241,7 @@ async def _start_and_serve(
     with phase("resolve model", bus):
         model_dir = engine_args.resolve_model_dir()
         if engine_args.is_demo:
-            logger.warning(demo.WEIGHTS_NOTICE)
+            logger.log(*demo.notice())
     with phase("load config", bus):
         config = engine_args.create_config(model_dir)
         model_cls = model_class_for(config.model.architecture)
@@ -250,7 +250,7 @@ async def _start_and_serve(
             Behavior(args.tool_call_parser, args.reasoning_parser, args.max_thinking_budget),
             model_dir,
             Checkpoint(
-                repo_id_of(config.model_name, model_dir),
+                demo.repo_id() if config.is_demo else repo_id_of(config.model_name, model_dir),
                 config.model.architecture,
                 config.model.model_type,
             ),
