@@ -1,0 +1,59 @@
+"""The engine core alone, for A/B runs of two packages: the serving bench's workload (`--streams`
+requests of `--prompt-len` random ids and `--output-len` greedy tokens, EOS ignored) stepped by
+`EngineCore.step` in this process, `--rounds` times on one engine, on random weights of
+Qwen3-0.6B's shape. Prints one JSON line: output tok/s and host ms per step of each round.
+
+Which package runs is PYTHONPATH's choice, so the telemetry's cost in the engine (its step
+figures, the runner's timing events) is measured without HTTP or IPC in the way:
+
+    PYTHONPATH=bench/.baseline python bench/engine_ab.py --label before
+    PYTHONPATH=. python bench/engine_ab.py --label after
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+from gpu_suite import QWEN3_06B, engine, release
+
+from metrale.engine.messages import EngineRequest
+from metrale.sampling_params import SamplingParams
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--label", required=True)
+    parser.add_argument("--streams", type=int, default=256)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=4)
+    args = parser.parse_args()
+    core = engine(QWEN3_06B, max_num_seqs=args.streams, max_seq_len=2048)
+    g = torch.Generator().manual_seed(0)
+    prompts = [
+        torch.randint(0, 4096, (args.prompt_len,), generator=g).tolist()
+        for _ in range(args.streams)
+    ]
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    rounds = []
+    for r in range(args.rounds + 1):  # the first warms up
+        for i, prompt in enumerate(prompts):
+            core.add_request(EngineRequest(f"r{r}-{i}", prompt, params, 0.0))
+        torch.cuda.synchronize()
+        start, steps, tokens = time.perf_counter(), 0, 0
+        while core.has_unfinished_requests():
+            tokens += sum(len(o.new_token_ids) for o in core.step())
+            steps += 1
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        if r:
+            rounds.append({"tok_per_s": tokens / seconds, "ms_per_step": 1e3 * seconds / steps})
+    release(core)
+    print(json.dumps({"label": args.label, "rounds": rounds}))
+
+
+if __name__ == "__main__":
+    main()
