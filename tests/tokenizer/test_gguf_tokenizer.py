@@ -15,11 +15,8 @@ import tokenizers
 from tokenizers import pre_tokenizers
 
 from metrale.tokenizer import Tokenizer
-from metrale.tokenizer.gguf_tokenizer import (
-    PRE_TOKENIZERS,
-    gguf_tokenizer_files,
-    read_gguf_metadata,
-)
+from metrale.tokenizer.gguf_pretokenizers import PRE_TOKENIZERS
+from metrale.tokenizer.gguf_tokenizer import gguf_tokenizer_files, read_gguf_metadata
 
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
