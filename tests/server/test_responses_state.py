@@ -376,3 +376,9 @@ def test_responses_and_conversations_survive_a_restart(served):
         ],
     )
     assert after.usage.input_tokens == stateless.usage.input_tokens
+    # The conversation goes on too: its next turn reads the items stored before the restart.
+    turn = create(client, input="after the restart", conversation=conversation.id)
+    assert turn.usage.input_tokens == stateless.usage.input_tokens
+    assert len(client.conversations.items.list(conversation.id, limit=100).data) == len(
+        items
+    ) + 1 + len(turn.output)
