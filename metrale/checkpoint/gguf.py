@@ -32,6 +32,7 @@ from metrale import envs
 from metrale.checkpoint.weights import CheckpointError
 
 SUFFIX = ".gguf"
+MAGIC = b"GGUF"
 LINK_NAME = "model.gguf"
 # general.architecture -> (config.json's architectures[0], model_type)
 ARCHITECTURES = {
@@ -88,10 +89,33 @@ def find_gguf(model_dir: Path, name: str | None = None) -> Path | None:
     return files[0] if files else None
 
 
-def read_metadata(path: Path) -> dict[str, Any]:
-    from metrale.tokenizer.gguf_tokenizer import read_gguf_metadata
+def open_reader(path: Path) -> Any:
+    """A `gguf.GGUFReader` of `path` (it maps the file and parses every metadata field; tensor
+    data is read only when used). A file that is not GGUF, or is truncated, is a CheckpointError
+    naming it."""
+    import gguf
 
-    return read_gguf_metadata(path)
+    path = Path(path)
+    with path.open("rb") as file:
+        magic = file.read(len(MAGIC))
+    if magic != MAGIC:
+        raise CheckpointError(f"{path} is not a GGUF file: it starts with {magic!r}, not {MAGIC!r}")
+    try:
+        return gguf.GGUFReader(path, "r")
+    except Exception as e:  # gguf raises ValueError, IndexError, numpy errors... on a bad file
+        raise CheckpointError(
+            f"{path} is not a readable GGUF file ({type(e).__name__}: {e}): it is truncated or "
+            f"corrupt"
+        ) from e
+
+
+def read_metadata(source: Path | Any) -> dict[str, Any]:
+    """Every metadata field of a GGUF file (a path, or a reader of it) as plain Python values."""
+    reader = open_reader(source) if isinstance(source, str | Path) else source
+    try:
+        return {name: field.contents() for name, field in reader.fields.items()}
+    except Exception as e:  # a field whose contents do not parse
+        raise CheckpointError(f"a GGUF metadata field cannot be read ({e})") from e
 
 
 def model_config(metadata: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
@@ -159,15 +183,11 @@ def gguf_model_dir(path: Path) -> Path:
     out = envs.cache_dir() / "gguf" / f"{path.stem}-{key}"
     if (out / "config.json").is_file():
         return out
-    from gguf import GGUFReader
-
     from metrale.tokenizer.gguf_tokenizer import gguf_tokenizer_files
 
-    try:
-        names = {t.name for t in GGUFReader(path).tensors}
-    except Exception as e:  # gguf raises ValueError, struct errors... on a bad file
-        raise CheckpointError(f"{path} is not a readable GGUF file ({e})") from e
-    metadata = read_metadata(path)
+    reader = open_reader(path)  # once: parsing the metadata takes seconds on a real file
+    names = {t.name for t in reader.tensors}
+    metadata = read_metadata(reader)
     files = {"config.json": model_config(metadata, names), **gguf_tokenizer_files(metadata)}
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=".making-"))
@@ -193,10 +213,8 @@ def gguf_file_of(model_dir: Path) -> Path | None:
 def preflight(gguf_path: Path, expected: dict[str, tuple[int, ...]]) -> dict[str, Any]:
     """Every expected tensor, checked present, of its shape and of a type that dequantizes:
     {Hugging Face name: the reader's tensor}."""
-    from gguf import GGUFReader
-
     found = {}
-    for tensor in GGUFReader(gguf_path).tensors:
+    for tensor in open_reader(gguf_path).tensors:
         if (name := hf_name(tensor.name)) is not None:
             found[name] = tensor
     problems = []

@@ -23,7 +23,6 @@ import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
-from pathlib import Path
 from typing import Any
 
 import tokenizers
@@ -33,7 +32,6 @@ from metrale.tokenizer.gguf_pretokenizers import pre_tokenizer_named
 
 logger = logging.getLogger(__name__)
 
-GGUF_MAGIC = b"GGUF"
 SPIECE_UNDERLINE = "\u2581"
 
 
@@ -425,28 +423,3 @@ def gguf_tokenizer_files(fields: Mapping[str, Any]) -> dict[str, dict]:
     if vocab.chat_template is not None:
         config["chat_template"] = vocab.chat_template
     return {"tokenizer.json": tokenizer_json, "tokenizer_config.json": config}
-
-
-def read_gguf_metadata(path: Path) -> dict[str, Any]:
-    """Every metadata field of a GGUF file as plain Python values (GGUFReader's field.contents()),
-    without loading tensors (the reader maps the file; tensor data is never read).
-
-    A file that is not GGUF, or is truncated, is a ValueError naming it.
-    """
-    import gguf
-
-    path = Path(path)
-    with path.open("rb") as file:
-        magic = file.read(len(GGUF_MAGIC))
-    if magic != GGUF_MAGIC:
-        raise ValueError(f"{path} is not a GGUF file: it starts with {magic!r}, not {GGUF_MAGIC!r}")
-    try:
-        reader = gguf.GGUFReader(path, "r")
-        return {name: field.contents() for name, field in reader.fields.items()}
-    except OSError:
-        raise
-    except Exception as error:  # gguf raises ValueError, IndexError, numpy errors... on a bad file
-        raise ValueError(
-            f"{path} is not a readable GGUF file ({type(error).__name__}: {error}): it is "
-            "truncated or corrupt"
-        ) from error

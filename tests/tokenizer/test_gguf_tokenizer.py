@@ -14,9 +14,10 @@ import pytest
 import tokenizers
 from tokenizers import pre_tokenizers
 
+from metrale.checkpoint.gguf import read_metadata as read_gguf_metadata
 from metrale.tokenizer import Tokenizer
 from metrale.tokenizer.gguf_pretokenizers import PRE_TOKENIZERS
-from metrale.tokenizer.gguf_tokenizer import gguf_tokenizer_files, read_gguf_metadata
+from metrale.tokenizer.gguf_tokenizer import gguf_tokenizer_files
 
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
