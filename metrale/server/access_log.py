@@ -29,6 +29,7 @@ _APIS = {
     "/v1/chat/completions": "chat",
     "/v1/completions": "completions",
     "/v1/messages": "messages",
+    "/v1/responses": "responses",
 }
 _current: contextvars.ContextVar[RequestRecord | None] = contextvars.ContextVar(
     "metrale_request_record", default=None
