@@ -30,6 +30,7 @@ from tqdm import tqdm
 
 from metrale import envs
 from metrale.checkpoint.weights import CheckpointError
+from metrale.config import ModelConfig
 
 SUFFIX = ".gguf"
 MAGIC = b"GGUF"
@@ -239,13 +240,13 @@ def preflight(gguf_path: Path, expected: dict[str, tuple[int, ...]]) -> dict[str
 
 
 def iter_tensors(
-    tensors: dict[str, Any], config: dict[str, Any], device: torch.device, progress: bool = True
+    tensors: dict[str, Any], config: ModelConfig, device: torch.device, progress: bool = True
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The checked tensors, dequantized to float32 on `device`, in Hugging Face's layout."""
     from gguf.quants import dequantize
 
-    permuted = config["model_type"] in PERMUTED
-    heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
+    permuted = config.model_type in PERMUTED
+    heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}
     bar = tqdm(total=len(tensors), desc="Loading GGUF", unit="tensor", disable=not progress)
     with bar:
         for name, tensor in tensors.items():

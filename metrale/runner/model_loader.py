@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -73,8 +72,7 @@ def load_model(
     else:
         checked = preflight_checkpoint(model_dir, kind, expected)
         if kind == "gguf":
-            raw = json.loads((model_dir / "config.json").read_text())
-            tensors = gguf.iter_tensors(checked, raw, device, progress)
+            tensors = gguf.iter_tensors(checked, config, device, progress)
         else:
             tensors = iter_checkpoint_tensors(checked, device, progress)  # type: ignore[arg-type]
     with _default_dtype(dtype), torch.device(device):

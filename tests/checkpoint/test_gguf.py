@@ -102,11 +102,12 @@ def test_the_directory_made_of_the_file(model_dir):
 
 
 def test_tensors_equal_transformers_dequantized(model_dir, hf_model):
-    config = json.loads((model_dir / "config.json").read_text())
     model_config = ModelConfig.from_dir(model_dir)
     expected = model_class_for(model_config.architecture).checkpoint_shapes(model_config)
     ours = dict(
-        gguf.iter_tensors(gguf.preflight(SMOLLM, expected), config, torch.device("cpu"), False)
+        gguf.iter_tensors(
+            gguf.preflight(SMOLLM, expected), model_config, torch.device("cpu"), False
+        )
     )
     theirs = hf_model.state_dict()
     assert set(ours) == set(expected)
