@@ -75,6 +75,7 @@ class EngineConfig:
     max_cuda_graph_batch: int = 0  # 0: no CUDA graphs
     tokenizer_eos_token_id: int | None = None
     async_scheduling: bool = False  # prepare step N+1 while step N runs
+    quantization: str | None = None  # gguf: GGUF linear weights stay packed
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -105,6 +106,7 @@ class EngineArgs:
     dtype: str = "auto"
     device: str = "auto"
     load_format: str = "auto"
+    quantization: str | None = None
     seed: int = 0
     max_seq_len: int | None = None
     max_num_seqs: int = 128
@@ -154,6 +156,14 @@ class EngineArgs:
             choices=["auto", "safetensors", "gguf", "dummy"],
             help="auto: the GGUF file the model came from, else its safetensors; dummy: random "
             "weights of the checkpoint's shapes (benchmarks)",
+        )
+        g.add_argument(
+            "--quantization",
+            default=d.quantization,
+            choices=["gguf"],
+            help="gguf: keep a GGUF file's Q8_0, Q4_0 and Q4_1 linear weights packed; on a GPU "
+            "the products read them quantized (Triton), elsewhere each layer is dequantized as "
+            "it runs. Default: dequantize every tensor to --dtype at load",
         )
         g.add_argument("--seed", type=int, default=d.seed, help="seed for dummy weights")
         g.add_argument(
@@ -275,6 +285,14 @@ class EngineArgs:
         dtype = model_config.dtype if self.dtype == "auto" else parse_dtype(self.dtype)
         kv_cache_dtype = parse_kv_cache_dtype(self.kv_cache_dtype, dtype)
         device = _resolve_device(self.device)
+        if self.quantization == "gguf":
+            from metrale.runner.model_loader import weights_format
+
+            if (kind := weights_format(model_dir, self.load_format)) != "gguf":
+                raise ValueError(
+                    f"--quantization gguf keeps a GGUF file's weights packed, and {model_dir} "
+                    f"loads as {kind}: serve a .gguf file"
+                )
 
         max_seq_len = self.max_seq_len or model_config.max_position_embeddings
         if max_seq_len > model_config.max_position_embeddings:
@@ -318,6 +336,7 @@ class EngineArgs:
             dtype=dtype,
             device=device,
             load_format=self.load_format,
+            quantization=self.quantization,
             seed=self.seed,
             cache=cache,
             scheduler=scheduler,

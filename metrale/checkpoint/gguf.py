@@ -239,10 +239,20 @@ def preflight(gguf_path: Path, expected: dict[str, tuple[int, ...]]) -> dict[str
     return {name: found[name] for name in expected}
 
 
+def tensor_types(tensors: dict[str, Any]) -> dict[str, str]:
+    """{Hugging Face name: GGUF type name, e.g. Q4_1} of `preflight`'s tensors."""
+    return {name: tensor.tensor_type.name for name, tensor in tensors.items()}
+
+
 def iter_tensors(
-    tensors: dict[str, Any], config: ModelConfig, device: torch.device, progress: bool = True
+    tensors: dict[str, Any],
+    config: ModelConfig,
+    device: torch.device,
+    progress: bool = True,
+    raw: frozenset[str] = frozenset(),
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """The checked tensors, dequantized to float32 on `device`, in Hugging Face's layout."""
+    """The checked tensors on `device` in Hugging Face's layout, dequantized to float32; those
+    named in `raw` as they are stored instead: uint8 [rows, bytes of a row's blocks]."""
     from gguf.quants import dequantize
 
     permuted = config.model_type in PERMUTED
@@ -250,12 +260,16 @@ def iter_tensors(
     bar = tqdm(total=len(tensors), desc="Loading GGUF", unit="tensor", disable=not progress)
     with bar:
         for name, tensor in tensors.items():
-            values = np.ascontiguousarray(dequantize(tensor.data, tensor.tensor_type), np.float32)
-            if not values.flags.writeable:  # an F32 tensor is a view of the mapped file
-                values = values.copy()
+            if name in raw:
+                values = np.array(tensor.data, dtype=np.uint8)  # copied out of the mapped file
+            else:
+                values = dequantize(tensor.data, tensor.tensor_type)
+                values = np.ascontiguousarray(values, np.float32)
+                if not values.flags.writeable:  # an F32 tensor is a view of the mapped file
+                    values = values.copy()
             weight = torch.from_numpy(values)
             projection = name.split(".")[-2]
-            if permuted and projection in heads:
+            if permuted and projection in heads:  # rows of blocks are rows of the weight
                 weight = _unpermute(weight, heads[projection])
             yield name, weight.to(device)
             bar.update()

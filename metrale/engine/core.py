@@ -51,6 +51,7 @@ class EngineCore:
             dtype=config.dtype,
             device=config.device,
             load_format=config.load_format,
+            quantization=config.quantization,
             seed=config.seed,
             progress=progress,
             fused_kernels=config.attention_backend == "triton",

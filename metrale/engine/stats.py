@@ -93,6 +93,26 @@ def forward_info(core: EngineCore) -> ForwardInfo:
         kv_block_size=config.cache.block_size,
         num_kv_blocks=core.scheduler.kv_cache.pool.num_blocks,
         async_scheduling=config.async_scheduling,
+        quantization=_quantization(core),
+    )
+
+
+def _quantization(core: EngineCore) -> str | None:
+    """What --quantization made of the model's linear layers, e.g. "gguf: 120 linear layers
+    packed (Q4_1 x120), 0 dequantized"."""
+    if core.config.quantization is None:
+        return None
+    from collections import Counter
+
+    from metrale.layers.linear import Linear
+
+    layers = [m for m in core.runner.model.modules() if isinstance(m, Linear)]
+    formats = Counter(m.packed.fmt for m in layers if m.packed is not None)
+    packed = sum(formats.values())
+    kinds = ", ".join(f"{fmt} x{n}" for fmt, n in sorted(formats.items()))
+    return (
+        f"{core.config.quantization}: {packed} linear layers packed ({kinds}), "
+        f"{len(layers) - packed} dequantized"
     )
 
 

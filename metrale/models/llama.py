@@ -20,6 +20,7 @@ from metrale.layers.activation import silu_and_mul
 from metrale.layers.attention import Attention, AttentionMetadata
 from metrale.layers.layernorm import RMSNorm
 from metrale.layers.linear import Linear, linear, silu_and_mul_linear
+from metrale.layers.packed_weight import PackedWeight
 from metrale.layers.rotary import FusedRotary, RotaryAngles, RotaryEmbedding
 from metrale.models.registry import register_model
 
@@ -84,8 +85,7 @@ class DecoderMLP(nn.Module):
         return [self.intermediate_size, self.intermediate_size]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        down = self.down_proj
-        return silu_and_mul_linear(self.gate_up_proj(x), down.weight, down.fused, self.act)
+        return silu_and_mul_linear(self.gate_up_proj(x), self.down_proj, self.act)
 
 
 class DecoderLayer(nn.Module):
@@ -155,7 +155,9 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = Linear(
+                config.hidden_size, config.vocab_size, bias=False, fused=fused_kernels
+            )
 
     @classmethod
     def has_qkv_bias(cls, config: ModelConfig) -> bool:
@@ -168,8 +170,9 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear(hidden, weight, None, self.fused_kernels)
+        if self.lm_head is not None:
+            return self.lm_head(hidden)
+        return linear(hidden, self.model.embed_tokens.weight, None, self.fused_kernels)
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
@@ -202,20 +205,32 @@ class LlamaForCausalLM(nn.Module):
             shapes["lm_head.weight"] = (config.vocab_size, h)
         return shapes
 
+    def weight_target(self, name: str) -> tuple[str, int | None]:
+        """(parameter, first row) a checkpoint tensor fills: q/k/v and gate/up fill a shard of
+        their fused matrix (first row its offset), any other tensor its own (None)."""
+        module_name, _, param_kind = name.rpartition(".")
+        parent_name, _, proj = module_name.rpartition(".")
+        if proj not in _FUSED_SHARDS:
+            return name, None
+        fused, shard = _FUSED_SHARDS[proj]
+        sizes = self.get_submodule(parent_name).shard_sizes(fused)
+        return f"{parent_name}.{fused}.{param_kind}", sum(sizes[:shard])
+
     @torch.no_grad()
-    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors into the model, fusing q/k/v and gate/up as they come."""
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor | PackedWeight]]) -> None:
+        """Copy checkpoint tensors into the model, fusing q/k/v and gate/up as they come. A
+        `PackedWeight` fills a linear layer that was packed (`Linear.pack_`) before loading."""
         params = dict(self.named_parameters())
         for name, tensor in tensors:
-            module_name, _, param_kind = name.rpartition(".")
-            parent_name, _, proj = module_name.rpartition(".")
-            if proj in _FUSED_SHARDS:
-                fused, shard = _FUSED_SHARDS[proj]
-                sizes = self.get_submodule(parent_name).shard_sizes(fused)
-                target = params[f"{parent_name}.{fused}.{param_kind}"]
-                target.narrow(0, sum(sizes[:shard]), sizes[shard]).copy_(tensor)
-            elif name in params:
-                params[name].copy_(tensor)
+            target, first_row = self.weight_target(name)
+            if isinstance(tensor, PackedWeight):
+                layer = self.get_submodule(target.rpartition(".")[0])
+                layer.packed.copy_rows_(first_row or 0, tensor)
+            elif target in params:
+                param = params[target]
+                if first_row is not None:
+                    param = param.narrow(0, first_row, tensor.shape[0])
+                param.copy_(tensor)
 
 
 @register_model("Qwen2ForCausalLM")

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import logging
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -12,10 +14,17 @@ from torch import nn
 from metrale.checkpoint import gguf
 from metrale.checkpoint.weights import iter_checkpoint_tensors, iter_dummy_tensors, preflight
 from metrale.config import ModelConfig
+from metrale.kernels.quant_layout import FORMATS as PACKED_FORMATS
+from metrale.layers.linear import Linear
+from metrale.layers.packed_weight import PackedWeight
 from metrale.models import model_class_for
+
+logger = logging.getLogger(__name__)
 
 # auto: the GGUF file a directory was made of (checkpoint/gguf.py), else its safetensors.
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+# gguf: linear weights stored in a format the quantized kernels read stay packed.
+QUANTIZATIONS = (None, "gguf")
 
 
 def weights_format(model_dir: Path, load_format: str) -> str:
@@ -59,23 +68,68 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     load_format: str = "auto",
+    quantization: str | None = None,
     seed: int = 0,
     progress: bool = True,
     fused_kernels: bool = False,
 ) -> nn.Module:
-    """The model, in eval mode on `device`; `dummy` fills random weights of the right shapes."""
+    """The model, in eval mode on `device`; `dummy` fills random weights of the right shapes.
+
+    quantization="gguf": the linear layers whose GGUF weights are Q8_0, Q4_0 or Q4_1 keep them
+    packed (`PackedWeight`); every other tensor is dequantized to `dtype` as by default."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization={quantization!r}: use gguf or leave it out")
     cls = model_class_for(config.architecture)
     expected = cls.checkpoint_shapes(config)
     kind = weights_format(model_dir, load_format)
-    if kind == "dummy":
-        tensors = iter_dummy_tensors(expected, device, seed=seed)
-    else:
-        checked = preflight_checkpoint(model_dir, kind, expected)
-        if kind == "gguf":
-            tensors = gguf.iter_tensors(checked, config, device, progress)
-        else:
-            tensors = iter_checkpoint_tensors(checked, device, progress)  # type: ignore[arg-type]
+    if quantization == "gguf" and kind != "gguf":
+        raise ValueError(
+            f"--quantization gguf keeps a GGUF file's weights packed; {model_dir} loads as {kind}"
+        )
+    checked = {} if kind == "dummy" else preflight_checkpoint(model_dir, kind, expected)
     with _default_dtype(dtype), torch.device(device):
         model = cls(config, fused_kernels=fused_kernels)
+    tensors: Iterable[tuple[str, torch.Tensor | PackedWeight]]
+    if kind == "dummy":
+        tensors = iter_dummy_tensors(expected, device, seed=seed)
+    elif kind == "gguf":
+        types = gguf.tensor_types(checked)
+        packed = pack_linears(model, types) if quantization == "gguf" else frozenset()
+        raw = gguf.iter_tensors(checked, config, device, progress, raw=packed)
+        tensors = (
+            (name, PackedWeight.from_ggml(types[name], t) if name in packed else t)
+            for name, t in raw
+        )
+    else:
+        tensors = iter_checkpoint_tensors(checked, device, progress)  # type: ignore[arg-type]
     model.load_weights(tensors)
     return model.eval().requires_grad_(False)
+
+
+def pack_linears(model: nn.Module, types: dict[str, str]) -> frozenset[str]:
+    """Pack every linear layer whose checkpoint weights (one, or the shards of a fused matrix)
+    share one packable type (`types`: {checkpoint name: GGUF type}); the names of the
+    checkpoint tensors that now load packed."""
+    shards: dict[str, list[str]] = defaultdict(list)
+    for name in types:
+        target, _ = model.weight_target(name)  # type: ignore[operator]
+        module_name, _, kind = target.rpartition(".")
+        if kind == "weight" and isinstance(model.get_submodule(module_name), Linear):
+            shards[module_name].append(name)
+    packed: list[str] = []
+    kept: Counter[str] = Counter()
+    for module_name, names in shards.items():
+        formats = {types[name] for name in names}
+        fmt = formats.pop() if len(formats) == 1 else None
+        if fmt in PACKED_FORMATS:
+            model.get_submodule(module_name).pack_(fmt)
+            packed += names
+        else:
+            kept["+".join(sorted({types[name] for name in names}))] += 1
+    logger.info(
+        "--quantization gguf: %d linear layers packed, %d dequantized%s",
+        len(shards) - sum(kept.values()),
+        sum(kept.values()),
+        f" ({', '.join(f'{n} of {t}' for t, n in kept.items())})" if kept else "",
+    )
+    return frozenset(packed)

@@ -23,6 +23,7 @@ from metrale.checkpoint.resolve import ModelNotFoundError, resolve_model_dir
 from metrale.config import ModelConfig
 from metrale.models import model_class_for
 from metrale.tokenizer import Tokenizer
+from tests.conftest import build_checkpoint
 from tests.entrypoints.test_llm_matches_transformers import check
 from tests.fidelity import hf_greedy
 
@@ -134,6 +135,32 @@ def test_greedy_matches_under_chunked_prefill_and_preemption(prompts, refs):
 
 
 # --- what resolution refuses ------------------------------------------------------------------
+
+
+def test_packed_weights_give_the_same_tokens_at_their_quantized_size(prompts, refs):
+    """--quantization gguf on CPU: every linear layer stays Q4_1 (its bytes, not float32's)
+    and is dequantized as it runs, so the tokens are transformers' still."""
+    from metrale.engine.stats import forward_info
+    from metrale.layers.linear import Linear
+
+    llm = LLM(model_from_path=str(SMOLLM), dtype="float32", quantization="gguf")
+    layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, Linear)]
+    assert len(layers) == 4 * 30 and all(m.packed is not None for m in layers)
+    assert {m.packed.fmt for m in layers} == {"Q4_1"}
+    packed_bytes = sum(m.packed.nbytes() for m in layers)
+    dense_bytes = sum(4 * m.in_features * m.out_features for m in layers)
+    assert packed_bytes * 6 < dense_bytes  # 0.625 bytes a value against 4
+    info = forward_info(llm.engine)  # what /serve-config and the READY message report
+    assert info.quantization == "gguf: 120 linear layers packed (Q4_1 x120), 0 dequantized"
+    check(llm.generate(prompts, GREEDY, use_tqdm=False), refs, "smollm packed")
+
+
+def test_quantization_gguf_needs_a_gguf_file(tmp_path):
+    from metrale.engine_args import EngineArgs
+
+    model_dir = build_checkpoint(tmp_path, "llama")
+    with pytest.raises(ValueError, match="--quantization gguf keeps a GGUF file"):
+        EngineArgs(model_from_path=str(model_dir), quantization="gguf").create_config()
 
 
 def test_a_directory_of_several_files_needs_gguf_file(tmp_path, monkeypatch_module):
