@@ -10,7 +10,7 @@ import triton.language as tl
 
 from metrale.kernels.grid import cdiv
 from metrale.kernels.quant_format import load_dequantized
-from metrale.kernels.quant_layout import FORMAT_IDS, check_format, qweight_columns
+from metrale.kernels.quant_layout import FORMAT_IDS, check_packed
 
 
 @triton.jit
@@ -57,10 +57,7 @@ def dequantize(
     block_k: int = 256,
 ) -> torch.Tensor:
     """The [N, K] weight in `dtype` (computed in float32, then rounded)."""
-    check_format(fmt)
-    n, groups = scales.shape
-    k = groups * 32
-    assert qweight.shape == (n, qweight_columns(fmt, k)) and qweight.is_contiguous()
+    n, k = check_packed(fmt, qweight, scales, mins)
     w = torch.empty((n, k), dtype=dtype, device=qweight.device)
     _dequantize_kernel[(cdiv(n, block_n), cdiv(k, block_k))](
         qweight,

@@ -20,7 +20,7 @@ import triton.language as tl
 
 from metrale.kernels.grid import cdiv
 from metrale.kernels.quant_format import load_dequantized
-from metrale.kernels.quant_layout import FORMAT_IDS, check_format, dequantize_ref, qweight_columns
+from metrale.kernels.quant_layout import FORMAT_IDS, check_packed, matmul_ref
 
 DEQUANTIZE_ROWS = 1024
 
@@ -100,15 +100,10 @@ def quant_gemm(
     N rows of K columns; bias: [N] or None. Returns [M, N] in x's dtype, accumulated in float32.
     blocks: (block_m, block_n, block_k, num_warps, num_stages), for bench/quant_gguf.py;
     dequantize_rows: from this many rows of x, dequantize then cuBLAS."""
-    check_format(fmt)
-    n, groups = scales.shape
-    k = groups * 32
+    n, k = check_packed(fmt, qweight, scales, mins, bias)
     m = x.shape[0]
     assert x.dim() == 2 and x.shape[1] == k, f"x must be [M, {k}], got {tuple(x.shape)}"
     assert x.stride(1) == 1, "rows of x must be contiguous"
-    assert qweight.shape == (n, qweight_columns(fmt, k)) and qweight.is_contiguous()
-    assert scales.is_contiguous() and (fmt != "Q4_1" or mins.shape == scales.shape)
-    assert bias is None or bias.shape == (n,), f"bias must be [{n}]"
     if m >= dequantize_rows:
         from metrale.kernels.quant_dequantize import dequantize
 
@@ -153,8 +148,4 @@ def quant_gemm_ref(
 ) -> torch.Tensor:
     """Torch reference of `quant_gemm`: the weight dequantized to x's dtype, the product
     accumulated in float32."""
-    w = dequantize_ref(fmt, qweight, scales, mins, x.dtype)
-    y = x.float() @ w.float().t()
-    if bias is not None:
-        y += bias.float()
-    return y.to(x.dtype)
+    return matmul_ref(x, fmt, qweight, scales, mins, bias, x.dtype)

@@ -16,7 +16,7 @@ import triton.language as tl
 from metrale.kernels.grid import cdiv
 from metrale.kernels.pdl import pdl_enabled, wait_for_previous_kernel
 from metrale.kernels.quant_format import load_dequantized
-from metrale.kernels.quant_layout import FORMAT_IDS, check_format, dequantize_ref, qweight_columns
+from metrale.kernels.quant_layout import FORMAT_IDS, check_packed, matmul_ref
 
 
 @triton.jit
@@ -86,14 +86,9 @@ def quant_gemv(
     """x: [1, K]; the weight's packed parts of `fmt` (`quant_layout`) for N rows of K columns;
     bias: [N] or None. Returns [1, N] in x's dtype, accumulated in float32.
     block_n, block_k, num_warps: launch overrides for bench/quant_gguf.py."""
-    check_format(fmt)
-    n, groups = scales.shape
-    k = groups * 32
+    n, k = check_packed(fmt, qweight, scales, mins, bias)
     assert x.shape == (1, k), f"x must be [1, {k}], got {tuple(x.shape)}"
     assert x.is_contiguous(), "x must be contiguous"
-    assert qweight.shape == (n, qweight_columns(fmt, k)) and qweight.is_contiguous()
-    assert scales.is_contiguous() and (fmt != "Q4_1" or mins.shape == scales.shape)
-    assert bias is None or bias.shape == (n,), f"bias must be [{n}]"
     default_n, default_k, default_warps = _launch(n, k)
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     pdl = pdl_enabled(x.device)
@@ -128,7 +123,4 @@ def quant_gemv_ref(
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Torch reference of `quant_gemv`: the float32 weight times x in float32, cast back."""
-    y = x.float() @ dequantize_ref(fmt, qweight, scales, mins).t()
-    if bias is not None:
-        y += bias.float()
-    return y.to(x.dtype)
+    return matmul_ref(x, fmt, qweight, scales, mins, bias, torch.float32)

@@ -62,6 +62,41 @@ def pack_ggml(fmt: str, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return qweight.reshape(rows, -1).contiguous(), scales, mins
 
 
+def check_packed(
+    fmt: str,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> tuple[int, int]:
+    """(N, K) of a packed weight whose parts (and bias) a kernel can read, or an AssertionError."""
+    check_format(fmt)
+    n, groups = scales.shape
+    k = groups * BLOCK
+    assert qweight.shape == (n, qweight_columns(fmt, k)) and qweight.is_contiguous()
+    assert scales.is_contiguous() and (fmt != "Q4_1" or mins.shape == scales.shape)
+    assert bias is None or bias.shape == (n,), f"bias must be [{n}]"
+    return n, k
+
+
+def matmul_ref(
+    x: torch.Tensor,
+    fmt: str,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor,
+    bias: torch.Tensor | None,
+    weight_dtype: torch.dtype,
+) -> torch.Tensor:
+    """x @ W.T (+ bias) in float32, W dequantized to `weight_dtype`, cast back to x's dtype: the
+    reference of the quantized products."""
+    w = dequantize_ref(fmt, qweight, scales, mins, weight_dtype).float()
+    y = x.float() @ w.t()
+    if bias is not None:
+        y += bias.float()
+    return y.to(x.dtype)
+
+
 def dequantize_ref(
     fmt: str,
     qweight: torch.Tensor,
