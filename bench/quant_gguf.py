@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 from cuda_timing import copy_bandwidth, graph_seconds, median_seconds
-from gpu_suite import LLAMA_8B, engine, release, run
+from gpu_suite import LLAMA_8B, b1_rates, engine, release
 
 import metrale.engine.core as engine_core
 from metrale import LLM, SamplingParams
@@ -140,10 +140,6 @@ def _packing_loader(fmt: str):
 
 def b1(results: dict) -> None:
     prompt = torch.randint(0, 128000, (128,)).tolist()
-
-    def params(n: int) -> list[SamplingParams]:
-        return [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)]
-
     read = results["copy_tb_per_s"] * 1e12
     out = results["b1"] = {}
     for fmt in ("bf16", "Q8_0", "Q4_0"):
@@ -154,12 +150,7 @@ def b1(results: dict) -> None:
             core = engine(LLAMA_8B, max_seq_len=2048, max_num_seqs=8, gpu_memory_utilization=0.85)
         finally:
             engine_core.load_model = original
-        run(core, [prompt], params(8))
-        times = []
-        for _ in range(3):
-            t_long, _ = run(core, [prompt], params(513))
-            t_short, _ = run(core, [prompt], params(1))
-            times.append(512 / (t_long - t_short))
+        times = b1_rates(core, prompt)
         ours = sorted(times)[1]
         model, cfg = core.runner.model, core.config.model
         weights = sum(
@@ -229,13 +220,7 @@ def smollm(results: dict, path: Path) -> None:
         outputs = llm.generate(prompts, params, use_tqdm=False)
         alone = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts[:8]]
         core = llm.engine
-        run(core, [prompts[0]], [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)])
-        times = []
-        for _ in range(3):
-            long_params = [SamplingParams(temperature=0, max_tokens=513, ignore_eos=True)]
-            t_long, _ = run(core, [prompts[0]], long_params)
-            t_short, _ = run(core, [prompts[0]], [SamplingParams(temperature=0, max_tokens=1)])
-            times.append(512 / (t_long - t_short))
+        times = b1_rates(core, prompts[0])
         runs[label] = {
             "outputs": [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs],
             "alone": [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in alone],
