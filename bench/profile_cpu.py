@@ -1,0 +1,197 @@
+"""Where a CPU engine step goes (issue 17, item 1): the offline engine on the 33.6M-parameter Llama
+of ../shared/peers.md (hidden 512, 8 layers, 8/4 heads of 64, intermediate 1536, vocab 8192),
+fp32, 128-token prompts, 128 greedy tokens, at 1 stream and at 16.
+
+For each: wall ms per decode step; cProfile's split of a step among the engine's parts
+(scheduling, input preparation, the forward, sampling, output handling); the torch profiler's
+top operators by self CPU time, and how many operators a step dispatches; then the step's
+one-row products alone against the machine's read bandwidth. Writes a text report.
+
+    python bench/profile_cpu.py [--out bench/results/profile_cpu-DATE.txt]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import datetime
+import io
+import pstats
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+from metrale import LLM, SamplingParams
+from metrale.engine.messages import EngineRequest
+
+ROOT = Path(__file__).resolve().parent
+SHAPE = {
+    "hidden_size": 512,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "vocab_size": 8192,
+    "max_position_embeddings": 2048,
+    "tie_word_embeddings": False,
+}
+
+
+def _parts() -> dict[str, object]:
+    """The functions whose cumulative times split a step."""
+    from metrale.engine.scheduler import Scheduler
+    from metrale.models.llama import LlamaForCausalLM
+    from metrale.runner import sampler
+    from metrale.runner.model_runner import ModelRunner
+
+    return {
+        "schedule": Scheduler.schedule,
+        "prepare inputs": ModelRunner._prepare_inputs,
+        "forward": LlamaForCausalLM.forward,
+        "logits": LlamaForCausalLM.compute_logits,
+        "sampling metadata": ModelRunner._sampling_metadata,
+        "sample": sampler.sample,
+        "update (stops, outputs)": Scheduler.update,
+    }
+
+
+def checkpoint(path: Path) -> Path:
+    if not (path / "model.safetensors").is_file():
+        torch.manual_seed(0)
+        transformers.LlamaForCausalLM(transformers.LlamaConfig(**SHAPE)).save_pretrained(path)
+        tokenizer_dir = ROOT.parent / "metrale" / "demo" / "tokenizer"
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            (path / name).write_bytes((tokenizer_dir / name).read_bytes())
+    return path
+
+
+def add(llm: LLM, streams: int, tag: str) -> None:
+    g = torch.Generator().manual_seed(streams)
+    params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
+    for i in range(streams):
+        prompt = torch.randint(10, 4000, (128,), generator=g).tolist()
+        llm.engine.add_request(EngineRequest(f"{tag}-{i}", prompt, params, 0.0))
+
+
+def decode_steps(llm: LLM, streams: int, tag: str) -> list[float]:
+    """Wall seconds of each step after the prompts are in (decode steps only)."""
+    add(llm, streams, tag)
+    llm.engine.step()  # the prefill (16 x 128 tokens fit one step's budget)
+    times = []
+    while llm.engine.has_unfinished_requests():
+        start = time.perf_counter()
+        llm.engine.step()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def parts_of(stats: pstats.Stats, steps: int) -> dict[str, float]:
+    """{part: ms a step}, each a function's cumulative time."""
+    out = {}
+    for label, fn in _parts().items():
+        code = fn.__code__  # type: ignore[attr-defined]
+        key = (code.co_filename, code.co_firstlineno, code.co_name)
+        row = stats.stats.get(key)  # type: ignore[attr-defined]
+        out[label] = 1e3 * row[3] / steps if row else 0.0
+    return out
+
+
+def report(llm: LLM, streams: int, lines: list[str]) -> None:
+    decode_steps(llm, streams, f"warm{streams}")
+    times = sorted(decode_steps(llm, streams, f"t{streams}"))
+    median = times[len(times) // 2]
+    lines.append(f"## {streams} stream(s): {1e3 * median:.2f} ms per decode step (median)")
+    lines.append(f"   = {streams / median:.0f} output tok/s in decode steps\n")
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    steps = len(decode_steps(llm, streams, f"c{streams}"))
+    profiler.disable()
+    stats = pstats.Stats(profiler)
+    step_ms = 1e3 * stats.total_tt / steps  # type: ignore[attr-defined]
+    lines.append(f"cProfile, {steps} decode steps, {step_ms:.2f} ms a step under the profiler:")
+    for label, ms in parts_of(stats, steps).items():
+        lines.append(f"  {label:20s} {ms:7.2f} ms  ({100 * ms / step_ms:4.1f}%)")
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(15)
+    lines.append("top functions by own time:")
+    lines += ["  " + line for line in text.getvalue().splitlines()[6:26]]
+
+    add(llm, streams, f"p{streams}")
+    llm.engine.step()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(16):
+            llm.engine.step()
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    events = prof.key_averages()
+    calls = sum(e.count for e in events if e.key.startswith("aten::"))
+    lines.append(f"\ntorch profiler, 16 decode steps: {calls / 16:.0f} aten operator calls a step")
+    table = events.table(sort_by="self_cpu_time_total", row_limit=18)
+    lines += ["  " + line for line in table.splitlines()]
+    lines.append("")
+
+
+def matmul_chain(llm: LLM, lines: list[str]) -> None:
+    """A decode step's 33 one-row products alone, over the model's own weights in order (each
+    read once a step, from memory, as in the engine), against the machine's read bandwidth."""
+    model = llm.engine.runner.model
+    weights = [p for n, p in model.named_parameters() if p.dim() == 2 and "embed" not in n]
+
+    def chain(dtype: torch.dtype, threads: int) -> float:
+        ws = [w.detach().to(dtype) for w in weights]
+        xs = {w.shape[1]: torch.randn(1, w.shape[1], dtype=dtype) for w in ws}
+        torch.set_num_threads(threads)
+        try:
+            for _ in range(5):
+                [torch.nn.functional.linear(xs[w.shape[1]], w) for w in ws]
+            start = time.perf_counter()
+            for _ in range(40):
+                [torch.nn.functional.linear(xs[w.shape[1]], w) for w in ws]
+            return (time.perf_counter() - start) / 40
+        finally:
+            torch.set_num_threads(2)
+
+    nbytes = sum(w.numel() * 4 for w in weights)
+    big = torch.randn(2**26)  # 256 MiB, past every cache
+    big.sum()
+    start = time.perf_counter()
+    for _ in range(10):
+        big.sum()
+    read = 10 * big.numel() * 4 / (time.perf_counter() - start)
+    lines.append(f"## A step's {len(weights)} one-row products alone ({nbytes / 1e6:.0f} MB fp32)")
+    lines.append(f"read bandwidth (sum of 256 MiB, 2 threads): {read / 1e9:.1f} GB/s")
+    for dtype, threads in ((torch.float32, 2), (torch.float32, 1), (torch.bfloat16, 2)):
+        seconds = chain(dtype, threads)
+        size = nbytes * (2 if dtype == torch.bfloat16 else 4) // 4
+        lines.append(
+            f"  F.linear {str(dtype).removeprefix('torch.'):8s} {threads} thread(s): "
+            f"{1e3 * seconds:.2f} ms a step, {size / seconds / 1e9:.1f} GB/s"
+        )
+    lines.append("")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    date = datetime.date.today().isoformat()
+    parser.add_argument("--out", type=Path, default=ROOT / "results" / f"profile_cpu-{date}.txt")
+    args = parser.parse_args()
+    path = checkpoint(ROOT / ".cache" / "llama-34m")
+    llm = LLM(model_from_path=str(path), dtype="float32", enable_prefix_caching=False)
+    params = sum(p.numel() for p in llm.engine.runner.model.parameters()) / 1e6
+    lines = [
+        f"# CPU engine step profile, {date}: {torch.get_num_threads()} torch threads, "
+        f"torch {torch.__version__}, {path.name} ({params:.1f}M parameters, fp32)",
+        "",
+    ]
+    for streams in (1, 16):
+        report(llm, streams, lines)
+    matmul_chain(llm, lines)
+    args.out.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
