@@ -140,16 +140,28 @@ def matmul_chain(llm: LLM, lines: list[str]) -> None:
     model = llm.engine.runner.model
     weights = [p for n, p in model.named_parameters() if p.dim() == 2 and "embed" not in n]
 
-    def chain(dtype: torch.dtype, threads: int) -> float:
+    def chain(dtype: torch.dtype, threads: int, onednn: bool = False) -> float:
         ws = [w.detach().to(dtype) for w in weights]
         xs = {w.shape[1]: torch.randn(1, w.shape[1], dtype=dtype) for w in ws}
+        if onednn:  # oneDNN's own weight layout, as its prepacked linear reads it
+            packed = [(w.shape[1], torch.ops.mkldnn._reorder_linear_weight(w, 1)) for w in ws]
+
+            def products() -> None:
+                for k, w in packed:
+                    torch.ops.mkldnn._linear_pointwise(xs[k], w, None, "none", [], "")
+        else:
+
+            def products() -> None:
+                for w in ws:
+                    torch.nn.functional.linear(xs[w.shape[1]], w)
+
         torch.set_num_threads(threads)
         try:
             for _ in range(5):
-                [torch.nn.functional.linear(xs[w.shape[1]], w) for w in ws]
+                products()
             start = time.perf_counter()
             for _ in range(40):
-                [torch.nn.functional.linear(xs[w.shape[1]], w) for w in ws]
+                products()
             return (time.perf_counter() - start) / 40
         finally:
             torch.set_num_threads(2)
@@ -163,11 +175,13 @@ def matmul_chain(llm: LLM, lines: list[str]) -> None:
     read = 10 * big.numel() * 4 / (time.perf_counter() - start)
     lines.append(f"## A step's {len(weights)} one-row products alone ({nbytes / 1e6:.0f} MB fp32)")
     lines.append(f"read bandwidth (sum of 256 MiB, 2 threads): {read / 1e9:.1f} GB/s")
-    for dtype, threads in ((torch.float32, 2), (torch.float32, 1), (torch.bfloat16, 2)):
-        seconds = chain(dtype, threads)
+    variants = [(torch.float32, 2, False), (torch.float32, 1, False), (torch.bfloat16, 2, False)]
+    for dtype, threads, onednn in [*variants, (torch.float32, 2, True)]:
+        seconds = chain(dtype, threads, onednn)
         size = nbytes * (2 if dtype == torch.bfloat16 else 4) // 4
+        how = "oneDNN prepacked" if onednn else "F.linear"
         lines.append(
-            f"  F.linear {str(dtype).removeprefix('torch.'):8s} {threads} thread(s): "
+            f"  {how:16s} {str(dtype).removeprefix('torch.'):8s} {threads} thread(s): "
             f"{1e3 * seconds:.2f} ms a step, {size / seconds / 1e9:.1f} GB/s"
         )
     lines.append("")
