@@ -10,6 +10,7 @@ each at load time, so a layer runs two matmuls where the checkpoint has five.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 
 import torch
@@ -19,7 +20,7 @@ from metrale.config import ModelConfig
 from metrale.layers.activation import silu_and_mul
 from metrale.layers.attention import Attention, AttentionMetadata
 from metrale.layers.layernorm import RMSNorm
-from metrale.layers.linear import Linear, linear, silu_and_mul_linear
+from metrale.layers.linear import Linear, silu_and_mul_linear
 from metrale.layers.packed_weight import PackedWeight
 from metrale.layers.rotary import FusedRotary, RotaryAngles, RotaryEmbedding
 from metrale.models.registry import register_model
@@ -152,12 +153,15 @@ class LlamaForCausalLM(nn.Module):
         self.model = DecoderModel(
             config, qkv_bias=self.has_qkv_bias(config), qk_norm=self.qk_norm, fused=fused_kernels
         )
-        if config.tie_word_embeddings:
-            self.lm_head = None
-        else:
+        tied = config.tie_word_embeddings
+        # Tied: the head's weight is the embedding's (one parameter, model.embed_tokens.weight),
+        # so its own is never allocated.
+        with torch.device("meta") if tied else contextlib.nullcontext():
             self.lm_head = Linear(
                 config.hidden_size, config.vocab_size, bias=False, fused=fused_kernels
             )
+        if tied:
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     @classmethod
     def has_qkv_bias(cls, config: ModelConfig) -> bool:
@@ -170,9 +174,7 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.lm_head is not None:
-            return self.lm_head(hidden)
-        return linear(hidden, self.model.embed_tokens.weight, None, self.fused_kernels)
+        return self.lm_head(hidden)
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]

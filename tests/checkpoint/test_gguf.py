@@ -144,14 +144,16 @@ def test_packed_weights_give_the_same_tokens_at_their_quantized_size(prompts, re
     from metrale.layers.linear import Linear
 
     llm = LLM(model_from_path=str(SMOLLM), dtype="float32", quantization="gguf")
-    layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, Linear)]
+    model = llm.engine.runner.model
+    layers = [m for m in model.modules() if isinstance(m, Linear) and m is not model.lm_head]
     assert len(layers) == 4 * 30 and all(m.packed is not None for m in layers)
+    assert model.lm_head.packed is None  # tied: the Q8_0 embedding, dequantized
     assert {m.packed.fmt for m in layers} == {"Q4_1"}
     packed_bytes = sum(m.packed.nbytes() for m in layers)
     dense_bytes = sum(4 * m.in_features * m.out_features for m in layers)
     assert packed_bytes * 6 < dense_bytes  # 0.625 bytes a value against 4
     info = forward_info(llm.engine)  # what /serve-config and the READY message report
-    assert info.quantization == "gguf: 120 linear layers packed (Q4_1 x120), 0 dequantized"
+    assert info.quantization == "gguf: 120 linear layers packed (Q4_1 x120), 1 dequantized"
     check(llm.generate(prompts, GREEDY, use_tqdm=False), refs, "smollm packed")
 
 
