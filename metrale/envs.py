@@ -29,6 +29,12 @@ def pdl() -> bool:
     return os.environ.get("METRALE_PDL", "1") != "0"
 
 
+def onednn() -> bool:
+    """Whether linear layers on a CPU run through oneDNN's prepacked weights
+    (`layers.linear.prepack_for_cpu`): METRALE_ONEDNN=0 keeps torch's default products."""
+    return os.environ.get("METRALE_ONEDNN", "1") != "0"
+
+
 def api_keys() -> list[str]:
     """API keys every `/v1` request must carry one of: METRALE_API_KEY, comma-separated."""
     return [key.strip() for key in os.environ.get("METRALE_API_KEY", "").split(",") if key.strip()]

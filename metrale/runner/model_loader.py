@@ -15,7 +15,7 @@ from metrale.checkpoint import gguf
 from metrale.checkpoint.weights import iter_checkpoint_tensors, iter_dummy_tensors, preflight
 from metrale.config import ModelConfig
 from metrale.kernels.quant_layout import FORMATS as PACKED_FORMATS
-from metrale.layers.linear import Linear
+from metrale.layers.linear import Linear, prepack_for_cpu
 from metrale.layers.packed_weight import PackedWeight
 from metrale.models import model_class_for
 
@@ -103,6 +103,8 @@ def load_model(
     else:
         tensors = iter_checkpoint_tensors(checked, device, progress)  # type: ignore[arg-type]
     model.load_weights(tensors)
+    if device.type == "cpu":
+        logger.debug("oneDNN: %d linear layers prepacked", prepack_for_cpu(model))
     return model.eval().requires_grad_(False)
 
 
