@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 from cuda_timing import copy_bandwidth, graph_seconds, median_seconds
+from gemv import REPEATS, SHAPES  # Llama-3.1-8B's five weight shapes
 from gpu_suite import LLAMA_8B, b1_rates, engine, release
 
 import metrale.engine.core as engine_core
@@ -38,14 +39,6 @@ from metrale.layers.linear import Linear
 from metrale.layers.packed_weight import PackedWeight
 
 FORMATS = ("Q8_0", "Q4_0", "Q4_1")
-SHAPES = {  # name -> (N, K) of W, Llama-3.1-8B
-    "qkv": (6144, 4096),
-    "o": (4096, 4096),
-    "gate_up": (28672, 4096),
-    "down": (4096, 14336),
-    "lm_head": (128256, 4096),
-}
-REPEATS = 8  # distinct weights per graph, so L2 holds none of them between replays
 
 
 def kernels(results: dict) -> None:
