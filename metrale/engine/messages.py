@@ -118,6 +118,17 @@ class StepStats(msgspec.Struct, frozen=True, array_like=True):
     preempted: list[str]  # requests preempted while scheduling it
 
 
+class CPUThreads(msgspec.Struct, frozen=True):
+    """How the engine process computes on a CPU, as `/forward` and `/serve-config` report it."""
+
+    cores_usable: int  # the CPUs this process may run on (its affinity mask)
+    torch_threads: int  # intra-op threads (OpenMP) of every product and pointwise op
+    torch_interop_threads: int
+    omp_num_threads: str | None  # the environment's OMP_NUM_THREADS, if set
+    allocator: str  # "glibc", or the library LD_PRELOAD puts first (tcmalloc, jemalloc)
+    onednn_linear_layers: int  # linear layers multiplying through oneDNN's prepacked weights
+
+
 class ForwardInfo(msgspec.Struct, frozen=True):
     """What the model's forward is, as `/forward` reports it."""
 
@@ -144,6 +155,7 @@ class ForwardInfo(msgspec.Struct, frozen=True):
     async_scheduling: bool
     tensor_parallel_size: int = 1
     quantization: str | None = None
+    cpu_threads: CPUThreads | None = None  # on a CPU
 
 
 class Ready(msgspec.Struct, frozen=True):

@@ -82,4 +82,4 @@ async def forward(request: Request) -> dict[str, Any]:
     info = state.llm.client.forward
     if info is None:
         raise APIError("the engine has not described its forward yet", 503)
-    return {"model": state.settings.served_model_name, **msgspec.structs.asdict(info)}
+    return {"model": state.settings.served_model_name, **msgspec.to_builtins(info)}

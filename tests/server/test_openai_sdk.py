@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 
 import httpx
@@ -226,6 +227,17 @@ def test_operational_routes(server):
     config = httpx.get(server.base_url + "/serve-config").json()
     assert config["server"]["served_model_name"] == MODEL_NAME
     assert config["engine"]["scheduler"]["max_seq_len"] == 512
+    assert config["server"]["event_loop"] == "uvloop"  # uvicorn[standard] installs it
+    threads = config["cpu_threads"]  # the engine process's, not this one's
+    assert threads["torch_threads"] >= 1 and 1 <= threads["cores_usable"] <= os.cpu_count()
+    assert threads["allocator"] == "glibc" and threads["omp_num_threads"] is None
+    # every linear layer of the tiny Qwen3 (qkv, o, gate_up, down; a tied head is the embedding)
+    forward = httpx.get(server.base_url + "/forward").json()
+    assert threads == forward["cpu_threads"]
+    assert threads["onednn_linear_layers"] in (
+        4 * forward["num_layers"],
+        4 * forward["num_layers"] + 1,
+    )
     hardware = httpx.get(server.base_url + "/hardware").json()
     assert hardware["cpu"]["cores"] >= 1 and "torch" in hardware["versions"]
     full_memory = httpx.get(server.base_url + "/memory").json()

@@ -14,11 +14,13 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import msgspec
 import uvicorn
 
+from metrale.engine.messages import ForwardInfo
 from metrale.engine_args import EngineArgs
 from metrale.entrypoints.cli import Subcommand, register
 from metrale.server.security.config import SecurityConfig
@@ -160,7 +162,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    return asyncio.run(_serve(args))
+    with asyncio.Runner(loop_factory=_event_loop_factory()) as runner:
+        return runner.run(_serve(args))
+
+
+def _event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's event loop where it is installed (uvicorn[standard] brings it on Linux and
+    macOS), as `uvicorn.run` would choose; asyncio's own elsewhere. `met serve` runs uvicorn's
+    `Server.serve` in a loop of its own making, so the choice is made here."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
 
 
 async def _serve(args: argparse.Namespace) -> int:
@@ -316,7 +330,9 @@ async def _start_and_serve(
                 tokenizer,
                 config,
                 settings,
-                serve_config=_effective_config(args, config, settings, behavior, security),
+                serve_config=_effective_config(
+                    args, config, settings, behavior, security, llm.client.forward
+                ),
                 guard=Guard(security),
                 store=store,
             )
@@ -395,8 +411,11 @@ def _effective_config(
     settings: Any,
     behavior: Any,
     security: SecurityConfig,
+    forward: ForwardInfo | None,
 ) -> dict[str, Any]:
     def plain(value: Any) -> Any:
+        if isinstance(value, msgspec.Struct):
+            return msgspec.to_builtins(value)
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
             return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
         if isinstance(value, list | tuple):
@@ -408,7 +427,13 @@ def _effective_config(
         return str(value)
 
     return {
-        "server": {"bind": args.bind, "port": args.port, **plain(settings)},
+        "server": {
+            "bind": args.bind,
+            "port": args.port,
+            # "uvloop" where installed (see _event_loop_factory), else "asyncio"
+            "event_loop": type(asyncio.get_running_loop()).__module__.split(".")[0],
+            **plain(settings),
+        },
         # where the parsers and the thinking budget came from: a flag, MODEL.toml, a recipe...
         "behavior_sources": {
             "tool_call_parser": behavior.tool_call_parser_source,
@@ -418,6 +443,8 @@ def _effective_config(
         "response_store": args.response_store,
         "security": security.describe(),  # how many API keys, never the keys
         "engine": plain(config),
+        # the engine process's threads, allocator and oneDNN layers on a CPU (None on a GPU)
+        "cpu_threads": plain(forward.cpu_threads if forward is not None else None),
     }
 
 
