@@ -77,8 +77,11 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def server(cmd: list[str], port: int) -> Iterator[str]:
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def server(cmd: list[str], port: int, env: dict[str, str] | None = None) -> Iterator[str]:
+    """The server `cmd` started (with `env`'s variables added to this process's), until exit."""
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **(env or {})}
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         for _ in range(900):

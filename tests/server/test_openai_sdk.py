@@ -6,11 +6,13 @@ import asyncio
 import json
 import os
 import time
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
+from metrale.engine.allocator import tcmalloc_library
 from tests.server.conftest import MODEL_NAME
 
 MESSAGES = [
@@ -230,7 +232,13 @@ def test_operational_routes(server):
     assert config["server"]["event_loop"] == "uvloop"  # uvicorn[standard] installs it
     threads = config["cpu_threads"]  # the engine process's, not this one's
     assert threads["torch_threads"] >= 1 and 1 <= threads["cores_usable"] <= os.cpu_count()
-    assert threads["allocator"] == "glibc" and threads["omp_num_threads"] is None
+    assert threads["omp_num_threads"] is None
+    # the engine process runs on tcmalloc where the system has it (engine/allocator.py)
+    maps = Path(f"/proc/{server.engine_pid()}/maps").read_text()
+    if tcmalloc_library() is None:
+        assert threads["allocator"] == "glibc" and "tcmalloc" not in maps
+    else:
+        assert "tcmalloc" in threads["allocator"] and "tcmalloc" in maps
     # every linear layer of the tiny Qwen3 (qkv, o, gate_up, down; a tied head is the embedding)
     forward = httpx.get(server.base_url + "/forward").json()
     assert threads == forward["cpu_threads"]
