@@ -55,8 +55,7 @@ class RequestTiming(msgspec.Struct, frozen=True, array_like=True):
 
     queued_s: float  # added to the engine's queue
     scheduled_s: float | None  # first scheduled
-    first_token_s: float | None
-    last_token_s: float | None
+    first_token_s: float | None  # (the API process times the tokens after it itself)
 
 
 class EngineOutput(msgspec.Struct, frozen=True, array_like=True):

@@ -48,7 +48,6 @@ class Request:
     queued_time_s: float = field(default_factory=time.monotonic)
     scheduled_time_s: float | None = None
     first_token_time_s: float | None = None
-    last_token_time_s: float | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -63,7 +62,6 @@ class Request:
             self.queued_time_s,
             self.scheduled_time_s,
             self.first_token_time_s,
-            self.last_token_time_s,
         )
 
     @property

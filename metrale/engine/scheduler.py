@@ -146,9 +146,8 @@ class Scheduler:
                 continue
             request.num_pending_tokens -= 1
             request.append_output_token(token_id)
-            if request.first_token_time_s is None:
+            if first := request.num_output_tokens == 1:
                 request.first_token_time_s = now
-            request.last_token_time_s = now
             if logprobs is not None:
                 request.output_logprobs.append(logprobs)
             finish_reason = self._check_stop(request, token_id)
@@ -162,7 +161,7 @@ class Scheduler:
                     finish_reason,
                     request.num_cached_prompt_tokens,
                     # the engine's milestones are all known once it has its first token
-                    request.timing if request.num_output_tokens == 1 else None,
+                    request.timing if first else None,
                 )
             )
         return outputs

@@ -34,9 +34,10 @@ from metrale.runner.structured_output import StructuredOutputs
 from metrale.sampling_params import SamplingParams
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class LaunchedStep:
-    """A step queued on the device; its samples reach the host once `copied` has fired."""
+    """A step queued on the device; its samples reach the host once `copied` has fired. Its
+    timing fields are set in place as the step is launched (no copy per step)."""
 
     chunks: list[ScheduledChunk]  # the sampling chunks, one per row of `samples`
     samples: SamplerOutput | None  # host tensors, written by non-blocking copies
@@ -116,10 +117,13 @@ class ModelRunner:
         if self.device.type == "cuda":
             started = torch.cuda.Event(enable_timing=True)
             started.record()
-            return dataclasses.replace(self._launch(scheduled), started=started)
+            step = self._launch(scheduled)
+            step.started = started
+            return step
         start = time.perf_counter()
         step = self._launch(scheduled)
-        return dataclasses.replace(step, device_s=time.perf_counter() - start)
+        step.device_s = time.perf_counter() - start
+        return step
 
     def _launch(self, scheduled: SchedulerOutput) -> LaunchedStep:
         for request_id in scheduled.finished_request_ids:
@@ -147,9 +151,9 @@ class ModelRunner:
         result = sample(logits.float(), metadata)
         self._last_samples = result.token_ids
         self._last_sampling_chunks = sampling_chunks
-        return dataclasses.replace(
-            self._copy_to_host(result, sampling_chunks), cuda_graph=graph is not None
-        )
+        step = self._copy_to_host(result, sampling_chunks)
+        step.cuda_graph = graph is not None
+        return step
 
     def _record_inputs_copied(self) -> None:
         if self._inputs_copied is not None:

@@ -62,7 +62,7 @@ def test_request_figures_are_exact():
     sub = bus.subscribe()
     request = EngineRequest("a", [5] * 10, SamplingParams(max_tokens=4), arrival_time_s=10.0)
     telemetry.request_added(request, "chat")
-    timing = RequestTiming(queued_s=10.5, scheduled_s=11.0, first_token_s=11.75, last_token_s=None)
+    timing = RequestTiming(queued_s=10.5, scheduled_s=11.0, first_token_s=11.75)
     telemetry.delta(delta("a", 1, cached=4), timing, now=12.0)  # TTFT 2.0
     telemetry.delta(delta("a", 1), None, now=12.5)  # ITL 0.5
     telemetry.delta(delta("a", 2, finish="length"), None, now=13.5)  # two tokens, 0.5 apart
