@@ -57,13 +57,15 @@ def main() -> None:
         seconds = time.perf_counter() - start
         if r:
             ordered = sorted(step_ms)
-            rounds.append({
-                "tok_per_s": tokens / seconds,
-                "ms_per_step": 1e3 * seconds / len(step_ms),
-                "step_ms_median": statistics.median(step_ms),
-                "step_ms_p10": ordered[len(ordered) // 10],
-                "step_ms": [round(ms, 4) for ms in step_ms],
-            })
+            rounds.append(
+                {
+                    "tok_per_s": tokens / seconds,
+                    "ms_per_step": 1e3 * seconds / len(step_ms),
+                    "step_ms_median": statistics.median(step_ms),
+                    "step_ms_p10": ordered[len(ordered) // 10],
+                    "step_ms": [round(ms, 4) for ms in step_ms],
+                }
+            )
     release(core)
     print(json.dumps({"label": args.label, "rounds": rounds}))
 
