@@ -35,6 +35,8 @@ import torch
 from peer_llamacpp import free_port, server
 from profile_cpu import checkpoint
 
+from metrale.engine.allocator import tcmalloc_library
+
 ROOT = Path(__file__).resolve().parent
 PROMPT_LEN, OUTPUT_LEN = 128, 128
 
@@ -105,11 +107,10 @@ def commands(model: Path, port: int, vllm_python: str) -> dict[str, list[str]]:
 def vllm_env(vllm_python: str, both_cores: bool) -> dict[str, str]:
     env = {"VLLM_CPU_KVCACHE_SPACE": "2"}
     if both_cores:
-        tcmalloc = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
+        tcmalloc = tcmalloc_library()  # the one `met serve` preloads into its engine
         iomp = Path(vllm_python).parent.parent / "lib" / "libiomp5.so"
-        missing = [str(p) for p in (tcmalloc, iomp) if not p.is_file()]
-        if missing:
-            raise SystemExit(f"--vllm-both-cores: missing {missing}")
+        if tcmalloc is None or not iomp.is_file():
+            raise SystemExit(f"--vllm-both-cores: needs the system's tcmalloc and {iomp}")
         env |= {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "LD_PRELOAD": f"{tcmalloc} {iomp}"}
     return env
 

@@ -13,11 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import ctypes.util
-import logging
 import os
 from collections.abc import Iterator
-
-logger = logging.getLogger(__name__)
 
 KNOWN = ("tcmalloc", "jemalloc", "mimalloc")
 
