@@ -76,6 +76,7 @@ class EngineConfig:
     tokenizer_eos_token_id: int | None = None
     async_scheduling: bool = False  # prepare step N+1 while step N runs
     quantization: str | None = None  # gguf: GGUF linear weights stay packed
+    log_stats: bool = True  # each step's figures (StepStats) and the server's /metrics
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -124,6 +125,7 @@ class EngineArgs:
     max_cuda_graph_batch: int = 512
     enforce_eager: bool = False
     scheduler_config: str = "auto"
+    disable_log_stats: bool = False
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -258,6 +260,13 @@ class EngineArgs:
             action="store_false",
             help="do not reuse KV blocks of shared prefixes",
         )
+        g = parser.add_argument_group("statistics")
+        g.add_argument(
+            "--disable-log-stats",
+            action="store_true",
+            help="no statistics: the engine times no steps and the server keeps no Prometheus "
+            "series (/metrics answers 404); /v1/events still tells requests and load",
+        )
 
     @classmethod
     def from_cli(cls, ns: argparse.Namespace) -> EngineArgs:
@@ -349,6 +358,7 @@ class EngineArgs:
             else self.max_cuda_graph_batch,
             async_scheduling=self.scheduler_config == "async"
             or (self.scheduler_config == "auto" and device.type == "cuda"),
+            log_stats=not self.disable_log_stats,
         )
 
 

@@ -69,6 +69,7 @@ class EngineCore:
             config.device,
             attention_backend=config.attention_backend,
             max_cuda_graph_batch=config.max_cuda_graph_batch,
+            time_steps=config.log_stats,
             structured_outputs=StructuredOutputs(
                 config.model_dir, config.model.vocab_size, config.eos_token_ids
             ),
@@ -127,7 +128,8 @@ class EngineCore:
             collected = []
             while len(self._in_flight) > keep:
                 collected.append(self._collect(outputs))
-        self._record_stats(time.perf_counter() - start, collected)
+        if self.config.log_stats:
+            self._record_stats(time.perf_counter() - start, collected)
         return outputs
 
     def _collect(self, outputs: list[EngineOutput]) -> tuple[SchedulerOutput, ModelRunnerOutput]:

@@ -96,14 +96,20 @@ class AsyncLLM:
                 now = time.monotonic()
                 for request_id, message in batch.rejected:
                     self._deliver(request_id, RequestRejectedError(message))
+                deltas: list[CompletionDelta] = []
+                timings = {}  # the engine's milestones, with each request's first output
                 for output in batch.outputs:
                     delta = self._processor.process(output)
                     if delta is None:
                         continue
                     if delta.abort_in_engine:
                         self.client.abort_requests([delta.request_id])
-                    self.telemetry.delta(delta, output.timing, now)
+                    if output.timing is not None:
+                        timings[delta.request_id] = output.timing
+                    deltas.append(delta)
                     self._deliver(delta.request_id, delta)
+                # (The callers run once this loop yields: the telemetry sees every delta first.)
+                self.telemetry.deltas(deltas, timings, now)
                 self.telemetry.engine_outputs(batch, now)
         except EngineDeadError as e:
             logger.error("%s; failing %d open requests", e, len(self._queues))

@@ -59,8 +59,12 @@ class ModelRunner:
         attention_backend: str = "torch",
         max_cuda_graph_batch: int = 0,
         structured_outputs: StructuredOutputs | None = None,
+        time_steps: bool = True,
     ) -> None:
         self.model = model
+        # Each step's device time (two timing events on a GPU, a clock on a CPU), for the
+        # engine's statistics; off with `--disable-log-stats`.
+        self.time_steps = time_steps
         self.model_config = model_config
         self.block_size = cache_config.block_size
         self.device = device
@@ -114,6 +118,8 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, scheduled: SchedulerOutput) -> LaunchedStep:
         """Queue the step on the device and return without waiting for it."""
+        if not self.time_steps:
+            return self._launch(scheduled)
         if self.device.type == "cuda":
             started = torch.cuda.Event(enable_timing=True)
             started.record()
@@ -370,7 +376,7 @@ class ModelRunner:
         host = SamplerOutput(
             *(to_host(getattr(result, f.name)) for f in dataclasses.fields(result))
         )
-        copied = torch.cuda.Event(enable_timing=True)
+        copied = torch.cuda.Event(enable_timing=self.time_steps)
         copied.record()
         return LaunchedStep(chunks, host, copied)
 

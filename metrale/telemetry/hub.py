@@ -71,25 +71,44 @@ class Telemetry:
                 )
             )
 
-    def delta(self, delta: CompletionDelta, timing: RequestTiming | None, now: float) -> None:
-        """A delta handed to its caller (`now`: when its batch arrived). This runs once per
-        token of every stream, so it does the least it can: the generation counter is brought
-        up to date once per batch (`engine_outputs`), not here."""
-        live = self.live.get(delta.request_id)
-        if live is None:
-            return
-        num_tokens = len(delta.token_ids)
-        if num_tokens:
-            last = live.last_token_s
-            if last is None:
-                self._first_token(live, num_tokens, delta.num_cached_tokens, timing, now)
-            else:
-                self._observe_itl((now - last) / num_tokens, num_tokens)
-            live.generated += num_tokens
-            live.last_token_s = now
-            self._generated_tokens += num_tokens
-        if delta.finish_reason is not None:
-            self._finish(live, delta.finish_reason, now)
+    def deltas(
+        self,
+        deltas: list[CompletionDelta],
+        timings: dict[str, RequestTiming],
+        now: float,
+    ) -> None:
+        """One batch of deltas handed to their callers (`now`: when the batch arrived;
+        `timings`: the engine's milestones of the requests whose first output it brought).
+        This is the API process's per-token path, so it does the least it can per delta: the
+        inter-token latencies of one-token deltas are counted by when their request's previous
+        token came (in steady decoding, one previous batch for all of them) and observed once
+        per distinct gap; the generation counter catches up once per batch
+        (`engine_outputs`)."""
+        live_of = self.live.get
+        gaps: dict[float, int] = {}  # previous token's time -> one-token deltas since then
+        generated = 0
+        for delta in deltas:
+            live = live_of(delta.request_id)
+            if live is None:
+                continue
+            num_tokens = len(delta.token_ids)
+            if num_tokens:
+                last = live.last_token_s
+                if last is None:
+                    timing = timings.get(delta.request_id)
+                    self._first_token(live, num_tokens, delta.num_cached_tokens, timing, now)
+                elif num_tokens == 1:
+                    gaps[last] = gaps.get(last, 0) + 1
+                else:
+                    self._observe_itl((now - last) / num_tokens, num_tokens)
+                live.generated += num_tokens
+                live.last_token_s = now
+                generated += num_tokens
+            if delta.finish_reason is not None:
+                self._finish(live, delta.finish_reason, now)
+        self._generated_tokens += generated
+        for last, count in gaps.items():
+            self._observe_itl(now - last, count)
 
     def _first_token(
         self,

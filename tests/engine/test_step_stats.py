@@ -3,10 +3,14 @@ requests preempted while scheduling, and each request's milestones on its first 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from metrale.engine.core import EngineCore
+from metrale.engine.messages import EngineRequest
 from metrale.engine_args import EngineArgs
+from metrale.sampling_params import SamplingParams
 from tests.engine.fake_runner import FakeRunner
 from tests.engine.test_scheduler import make_scheduler, request
 
@@ -64,3 +68,30 @@ def test_an_abort_before_the_first_token_carries_the_milestones_it_reached(confi
     core.scheduler.add_request(request("queued"))
     aborted = core.abort_request("queued")
     assert aborted.timing is not None and aborted.timing.scheduled_s is None
+
+
+def test_disable_log_stats_collects_no_step_figures(qwen3_dir):
+    config = EngineArgs(model_from_path=str(qwen3_dir), disable_log_stats=True).create_config()
+    assert not config.log_stats
+    core = EngineCore(config, FakeRunner(), make_scheduler(max_prefill_tokens=8))
+    reqs = [request(f"r{i}", prompt_len=9, max_tokens=4) for i in range(3)]
+    stats, firsts = drive(core, reqs)
+    assert stats == []
+    assert set(firsts) == {r.request_id for r in reqs}  # each request's milestones still come
+
+
+def test_a_runner_without_step_timing_measures_no_device_time(qwen3_dir):
+    config = EngineArgs(model_from_path=str(qwen3_dir), disable_log_stats=True).create_config()
+    request = EngineRequest("a", [5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True), 0.0)
+    core = EngineCore.from_config(config, progress=False)
+    assert core.runner.time_steps is False
+    core.add_request(request)
+    while core.has_unfinished_requests():
+        core.step()
+    assert list(core.step_stats) == []
+    timed = EngineCore.from_config(dataclasses.replace(config, log_stats=True), progress=False)
+    timed.add_request(request)
+    while timed.has_unfinished_requests():
+        timed.step()
+    assert all(s.device_s is not None and s.device_s >= 0 for s in timed.step_stats)
+    assert len(timed.step_stats) == 3  # a prefill and two decodes

@@ -290,3 +290,32 @@ def test_one_json_access_line_per_request_with_its_id(observed):
     assert "my-trace-42" in entry["message"]
     # Every other log line of the API process is JSON too.
     assert all(e["level"] in ("debug", "info", "warning", "error", "critical") for e in lines)
+
+
+def test_disable_log_stats_turns_the_statistics_off_not_the_events(qwen3_dir, tmp_path):
+    """vLLM's `--disable-log-stats`: no Prometheus series and no step timing in the engine;
+    requests are served, logged and told on `/v1/events` as before."""
+    running = start_server(qwen3_dir, tmp_path / "server.log", "--disable-log-stats")
+    try:
+        r = httpx.get(running.base_url + "/metrics")
+        assert r.status_code == 404
+        assert "metrics are off" in r.json()["error"]["message"]
+        config = httpx.get(running.base_url + "/serve-config").json()
+        assert config["engine"]["log_stats"] is False
+        got: list[dict] = []
+        stop, ready = threading.Event(), threading.Event()
+        args = (running, "?types=request.finished", stop, got, ready)
+        reader = threading.Thread(target=read_events, args=args)
+        reader.start()
+        assert ready.wait(10)
+        client = openai.OpenAI(base_url=running.api_url, api_key="unused")
+        done = client.completions.create(model=MODEL_NAME, prompt="a b", max_tokens=5)
+        deadline = time.monotonic() + 10
+        while not got and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stop.set()
+        client.models.list()
+        reader.join(10)
+        assert [e["generated_tokens"] for e in got] == [done.usage.completion_tokens]
+    finally:
+        assert stop_server(running) == 0, running.log()

@@ -63,9 +63,9 @@ def test_request_figures_are_exact():
     request = EngineRequest("a", [5] * 10, SamplingParams(max_tokens=4), arrival_time_s=10.0)
     telemetry.request_added(request, "chat")
     timing = RequestTiming(queued_s=10.5, scheduled_s=11.0, first_token_s=11.75)
-    telemetry.delta(delta("a", 1, cached=4), timing, now=12.0)  # TTFT 2.0
-    telemetry.delta(delta("a", 1), None, now=12.5)  # ITL 0.5
-    telemetry.delta(delta("a", 2, finish="length"), None, now=13.5)  # two tokens, 0.5 apart
+    telemetry.deltas([delta("a", 1, cached=4)], {"a": timing}, now=12.0)  # TTFT 2.0
+    telemetry.deltas([delta("a", 1)], {}, now=12.5)  # ITL 0.5
+    telemetry.deltas([delta("a", 2, finish="length")], {}, now=13.5)  # two tokens, 0.5 apart
     telemetry.flush()  # as /metrics does before it renders
     got = samples(metrics)
     assert got["metrale:prompt_tokens_total{}"] == 10
@@ -96,13 +96,35 @@ def test_request_figures_are_exact():
     assert not telemetry.live
 
 
+def test_a_batch_observes_each_tokens_gap_to_its_own_requests_previous_token():
+    """One-token deltas are observed grouped by when their request's previous token came;
+    the histogram must hold what observing every token alone would."""
+    metrics = Metrics("m", 4096)
+    telemetry = Telemetry(metrics, clock=lambda: 0.0)
+    for name in "abcd":
+        telemetry.request_added(EngineRequest(name, [1], SamplingParams(), 0.0), "completions")
+    timing = RequestTiming(0.0, 0.0, 0.0)
+    telemetry.deltas([delta("a", 1), delta("b", 1)], {"a": timing, "b": timing}, now=1.0)
+    telemetry.deltas([delta("c", 1), delta("d", 1)], {"c": timing, "d": timing}, now=1.25)
+    # a and b last had a token at 1.0, c and d at 1.25; d brings three tokens at once
+    batch = [delta("a", 1), delta("b", 1), delta("c", 1), delta("d", 3, finish="length")]
+    telemetry.deltas(batch, {}, now=1.5)
+    reference = PerTokenHistogram("x", "doc", ITL_BUCKETS, "m")
+    for gap in (0.5, 0.5, 0.25, 0.25 / 3, 0.25 / 3, 0.25 / 3):  # d: 0.25 s over 3 tokens
+        reference.observe(gap)
+    itl = metrics.inter_token_latency
+    assert itl.counts == reference.counts and math.isclose(itl.sum, reference.sum)
+    telemetry.flush()
+    assert samples(metrics)["metrale:generation_tokens_total{}"] == 10
+
+
 def test_a_request_the_caller_left_is_an_abort_and_counts_once():
     metrics = Metrics("m", 4096)
     telemetry = Telemetry(metrics, clock=lambda: 20.0)
     telemetry.request_added(EngineRequest("a", [1, 2], SamplingParams(), 10.0), "completions")
     telemetry.request_closed("a")
     telemetry.request_closed("a")  # the caller's cleanup runs again: nothing more
-    telemetry.delta(delta("a", 1), None, now=21.0)  # a late output: not counted
+    telemetry.deltas([delta("a", 1)], {}, now=21.0)  # a late output: not counted
     telemetry.flush()
     got = samples(metrics)
     assert got["metrale:request_success_total{finished_reason=abort}"] == 1

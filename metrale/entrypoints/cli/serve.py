@@ -301,7 +301,7 @@ async def _start_and_serve(
             name = args.served_model_name or (
                 demo.MODEL_NAME if engine_args.is_demo else engine_args.model or str(model_dir)
             )
-            metrics = Metrics(name, config.scheduler.max_seq_len)
+            metrics = Metrics(name, config.scheduler.max_seq_len) if config.log_stats else None
             llm = AsyncLLM(client, tokenizer, Telemetry(metrics, bus))
             llm.start()
             assert client.kv_cache is not None
