@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import contextlib
 import datetime
+import functools
 import json
 import multiprocessing
 import os
@@ -37,7 +38,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ProcessPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -90,48 +93,78 @@ def server_cpu_s(pid: int) -> dict[str, float]:
     return {"api": _task_cpu_s(pid), "engine": sum(_task_cpu_s(c) for c in _children(pid))}
 
 
+@dataclass(frozen=True)
+class Slot:
+    """The CPUs one server and its load generators run on."""
+
+    api: frozenset[int]
+    engine: frozenset[int]
+    clients: frozenset[int]
+
+    def describe(self) -> dict[str, list[int]]:
+        return {
+            "api": sorted(self.api),
+            "engine": sorted(self.engine),
+            "clients": sorted(self.clients),
+        }
+
+
 class Placement:
     """Which CPUs each side runs on. On a shared host the scheduler otherwise moves the API
-    process (the bottleneck at hundreds of streams) onto a core whose other hardware thread is
-    busy, and a round runs 30% slower for it: both servers' API processes get one physical core
-    of their own, their engine processes two, and the load generators the rest. (The servers
-    take turns, so they share their cores.) With fewer than five physical cores, nothing is
+    process (the bottleneck at hundreds of streams) onto a core whose neighbours are busy: a
+    server's API process gets a physical core of its own, its engine process two, its load
+    generators a share of the rest. Servers that take turns share one slot; servers driven at
+    once (`--concurrent`) get one each, swapped between rounds. With too few cores, nothing is
     pinned."""
 
-    def __init__(self, enabled: bool) -> None:
+    def __init__(self, enabled: bool, slots: int) -> None:
         cores: dict[str, set[int]] = {}
         for cpu in sorted(os.sched_getaffinity(0)):
             siblings = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list")
             key = siblings.read_text().strip() if siblings.exists() else str(cpu)
             cores.setdefault(key, set()).add(cpu)
-        physical = list(cores.values())
-        self.enabled = enabled and len(physical) >= 5
-        self.api = physical[0] if self.enabled else set()
-        self.engine = physical[1] | physical[2] if self.enabled else set()
-        self.clients = set().union(*physical[3:]) if self.enabled else set()
+        physical = [frozenset(c) for c in cores.values()]
+        self.enabled = enabled and len(physical) >= 5 * slots
+        self.slots: list[Slot] = []
+        if self.enabled:
+            rest = physical[3 * slots :]
+            for k in range(slots):
+                self.slots.append(
+                    Slot(
+                        api=physical[k],
+                        engine=physical[slots + 2 * k] | physical[slots + 2 * k + 1],
+                        clients=frozenset().union(*rest[k::slots]),
+                    )
+                )
 
-    def describe(self) -> dict | None:
+    def describe(self) -> list[dict] | None:
+        return [slot.describe() for slot in self.slots] if self.enabled else None
+
+    def server_start(self, slot: int) -> Callable[[], None] | None:
+        """For `Popen(preexec_fn=)`: the server starts on its API's and engine's CPUs, so the
+        engine's torch sizes its thread pool for what it will have."""
         if not self.enabled:
             return None
-        return {k: sorted(getattr(self, k)) for k in ("api", "engine", "clients")}
+        cpus = self.slots[slot].api | self.slots[slot].engine
+        return functools.partial(os.sched_setaffinity, 0, cpus)
 
-    def server_start(self) -> None:
-        """In the server before it execs: the API's and the engine's CPUs, so the engine's
-        torch sizes its thread pool for what it will have."""
-        if self.enabled:
-            os.sched_setaffinity(0, self.api | self.engine)
-
-    def pin_server(self, pid: int) -> None:
-        """Once it is up: every thread of the API process to its core, of the engine to its."""
+    def pin_server(self, pid: int, slot: int) -> None:
+        """Every thread of the API process to its core, of the engine to its (again each
+        round, when slots swap)."""
         if not self.enabled:
             return
-        _pin_tasks(pid, self.api)
+        _pin_tasks(pid, self.slots[slot].api)
         for child in _children(pid):
-            _pin_tasks(child, self.engine)
+            _pin_tasks(child, self.slots[slot].engine)
 
-    def client(self) -> None:
-        if self.enabled:
-            os.sched_setaffinity(0, self.clients)
+    def clients(self, slot: int) -> frozenset[int]:
+        return self.slots[slot].clients if self.enabled else frozenset()
+
+    def pin_clients(self, slot: int) -> Callable[[], None] | None:
+        """For a process pool's `initializer`: its workers on the slot's client CPUs."""
+        if not self.enabled:
+            return None
+        return functools.partial(os.sched_setaffinity, 0, self.slots[slot].clients)
 
 
 def _pin_tasks(pid: int, cpus: set[int]) -> None:
@@ -165,6 +198,7 @@ def start(
     extra: list[str],
     log: Path,
     placement: Placement,
+    slot: int,
     profile: Path | None = None,
 ):
     port = free_port()
@@ -185,7 +219,7 @@ def start(
         env=env,
         stdout=log.open("w"),
         stderr=subprocess.STDOUT,
-        preexec_fn=placement.server_start,
+        preexec_fn=placement.server_start(slot),
     )
     return process, f"http://127.0.0.1:{port}"
 
@@ -254,7 +288,8 @@ def load(
     output_len: int,
     events: bool,
     pid: int = 0,
-    client_cpus: set[int] | None = None,
+    client_cpus: frozenset[int] = frozenset(),
+    start_at: float | None = None,
 ) -> dict:
     """One round: every prompt streamed once. Besides the throughput, what each side spent:
     CPU milliseconds per thousand generated tokens of the server's API and engine processes
@@ -263,11 +298,11 @@ def load(
     reader = None
     if events:
         stop, results = context.Event(), context.Queue()
-        reader = context.Process(target=subscriber, args=(url, stop, results, client_cpus or set()))
+        reader = context.Process(target=subscriber, args=(url, stop, results, set(client_cpus)))
         reader.start()
         time.sleep(1.0)  # connected and replaying the startup phases
     shares = [prompts[i :: pool._max_workers] for i in range(pool._max_workers)]
-    start_at = time.time() + 0.5
+    start_at = start_at or time.time() + 0.5
     cpu_before = server_cpu_s(pid) if pid else {}
     done = [
         f.result()
@@ -328,6 +363,12 @@ def main() -> None:
     parser.add_argument(
         "--no-pin", action="store_true", help="leave every process where the scheduler puts it"
     )
+    parser.add_argument(
+        "--concurrent",
+        action="store_true",
+        help="drive both servers at once, each on CPUs of its own (swapped every other round), "
+        "so the host's drift falls on both alike; otherwise they take turns",
+    )
     parser.add_argument("--label", default="", help="appended to the results file's name")
     args = parser.parse_args()
     model = args.model.resolve() if args.model else dummy_checkpoint()
@@ -339,8 +380,10 @@ def main() -> None:
         [rng.randrange(10, 4000) for _ in range(args.prompt_len)] for _ in range(args.streams)
     ]
     logs = Path(tempfile.mkdtemp(prefix="bench-telemetry-logs-"))
-    placement = Placement(not args.no_pin)
-    placement.client()  # this process too: it spawns the load generators
+    num_slots = 2 if args.concurrent else 1
+    placement = Placement(not args.no_pin, num_slots)
+    if placement.enabled:  # this process too: it spawns the load generators
+        os.sched_setaffinity(0, frozenset().union(*(s.clients for s in placement.slots)))
     quiet = [] if args.baseline else ["--disable-log-stats", "--no-access-log"]
     servers = {
         "baseline": start(
@@ -350,6 +393,7 @@ def main() -> None:
             extra + quiet,
             logs / "baseline.log",
             placement,
+            0,
         ),
         "telemetry": start(
             args.candidate.resolve(),
@@ -358,38 +402,63 @@ def main() -> None:
             extra,
             logs / "telemetry.log",
             placement,
+            num_slots - 1,
             args.out / "telemetry-api.prof" if args.profile_api else None,
         ),
     }
-    try:
-        pool = ProcessPoolExecutor(
-            args.clients,
-            mp_context=multiprocessing.get_context("spawn"),
-            initializer=placement.client,
+    spawn = multiprocessing.get_context("spawn")
+    pools = [
+        ProcessPoolExecutor(args.clients, mp_context=spawn, initializer=placement.pin_clients(k))
+        for k in range(num_slots)
+    ]
+
+    def drive(name: str, slot: int, start_at: float | None = None) -> dict:
+        process, url = servers[name]
+        events = name == "telemetry" and not args.no_subscriber
+        result = load(
+            pools[slot],
+            url,
+            prompts,
+            args.output_len,
+            events,
+            process.pid,
+            placement.clients(slot),
+            start_at,
         )
-        for name, (process, url) in servers.items():
+        cpu = " ".join(f"{k} {v:.1f}" for k, v in result["cpu_ms_per_1k_tokens"].items())
+        print(
+            f"round {i} {name} (slot {slot}): {result['tokens_per_s']:.0f} tok/s; CPU ms per "
+            f"1k tokens: {cpu}; API busy {result['api_busy'] or 0:.0%}",
+            flush=True,
+        )
+        return result
+
+    try:
+        for slot, (name, (process, url)) in enumerate(servers.items()):
             wait_healthy(process, url, logs / f"{name}.log")
-            placement.pin_server(process.pid)
-            load(pool, url, prompts[:16], 16, events=False)  # warm up
+            slot = min(slot, num_slots - 1)
+            placement.pin_server(process.pid, slot)
+            load(pools[slot], url, prompts[:16], 16, events=False)  # warm up
         runs: dict[str, list[dict]] = {name: [] for name in servers}
         for i in range(args.rounds):
-            order = list(servers) if i % 2 == 0 else list(reversed(servers))
-            for name in order:
-                process, url = servers[name]
-                events = name == "telemetry" and not args.no_subscriber
-                result = load(
-                    pool, url, prompts, args.output_len, events, process.pid, placement.clients
-                )
-                runs[name].append(result)
-                cpu = " ".join(f"{k} {v:.1f}" for k, v in result["cpu_ms_per_1k_tokens"].items())
-                print(
-                    f"round {i} {name}: {result['tokens_per_s']:.0f} tok/s; CPU ms per 1k "
-                    f"tokens: {cpu}; API busy {result['api_busy'] or 0:.0%}",
-                    flush=True,
-                )
+            if args.concurrent:  # both at once, in swapped slots every other round
+                slots = {"baseline": i % 2, "telemetry": 1 - i % 2}
+                for name, slot in slots.items():
+                    placement.pin_server(servers[name][0].pid, slot)
+                start_at = time.time() + 2.0  # after the subscriber has connected
+                with ThreadPoolExecutor(2) as both:
+                    futures = {n: both.submit(drive, n, k, start_at) for n, k in slots.items()}
+                for name, future in futures.items():
+                    runs[name].append(future.result())
+            else:
+                order = list(servers) if i % 2 == 0 else list(reversed(servers))
+                for name in order:
+                    runs[name].append(drive(name, 0))
         metrics = httpx.get(servers["telemetry"][1] + "/metrics").text
         forward = httpx.get(servers["telemetry"][1] + "/forward").json()
     finally:
+        for pool in pools:
+            pool.shutdown(cancel_futures=True)
         for process, _ in servers.values():
             process.send_signal(signal.SIGTERM)
         for process, _ in servers.values():
@@ -397,6 +466,11 @@ def main() -> None:
                 process.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 process.kill()
+    # Each round's two runs met the same drift (at once, or one after the other).
+    paired = [
+        t["tokens_per_s"] / b["tokens_per_s"]
+        for t, b in zip(runs["telemetry"], runs["baseline"], strict=True)
+    ]
     medians = {name: statistics.median(r["tokens_per_s"] for r in rs) for name, rs in runs.items()}
     cpu_medians = {
         name: {
@@ -418,6 +492,7 @@ def main() -> None:
             "rounds": args.rounds,
             "client_processes": args.clients,
             "cpus": placement.describe(),
+            "concurrent": args.concurrent,
             "events_subscriber": not args.no_subscriber,
             "model": args.dummy or str(args.model),
             "serve_args": extra,
@@ -428,6 +503,9 @@ def main() -> None:
         "runs": runs,
         "median_tokens_per_s": medians,
         "telemetry_vs_baseline": medians["telemetry"] / medians["baseline"],
+        "paired_ratios": paired,
+        "median_paired_ratio": statistics.median(paired),
+        "geometric_mean_paired_ratio": statistics.geometric_mean(paired),
         "median_cpu_ms_per_1k_tokens": cpu_medians,
         "cpu_telemetry_vs_baseline": {
             part: cpu_medians["telemetry"][part] / cpu_medians["baseline"][part]
@@ -442,6 +520,7 @@ def main() -> None:
     path = args.out / f"serve_telemetry{suffix}-{result['date']}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     summary = {"median": medians, "ratio": result["telemetry_vs_baseline"]}
+    summary["median_paired_ratio"] = result["median_paired_ratio"]
     summary["cpu_ratio"] = result["cpu_telemetry_vs_baseline"]
     print(json.dumps(summary, indent=2))
     print(f"wrote {path}")

@@ -58,6 +58,9 @@ async def event_stream(
 
 
 async def _frames(subscription: Subscription, telemetry: Any) -> AsyncIterator[bytes]:
+    """The subscription's events as SSE frames. Events come in bursts (a batch of engine
+    outputs tells many requests' first tokens at once), so each wake-up sends every event
+    waiting as one chunk: one write for the burst, not one per event."""
     try:
         yield b": metrale events\n\n"
         while True:
@@ -66,12 +69,16 @@ async def _frames(subscription: Subscription, telemetry: Any) -> AsyncIterator[b
             except TimeoutError:
                 yield b": keepalive\n\n"
                 continue
-            if isinstance(event, events.Dropped) and telemetry.metrics is not None:
-                telemetry.metrics.events_dropped.inc(event.count)
-            yield b"event: %s\ndata: %s\n\n" % (
-                events.type_of(event).encode(),
-                events.encode(event),
-            )
+            frames = []
+            while event is not None:
+                if isinstance(event, events.Dropped) and telemetry.metrics is not None:
+                    telemetry.metrics.events_dropped.inc(event.count)
+                frames.append(
+                    b"event: %s\ndata: %s\n\n"
+                    % (events.type_of(event).encode(), events.encode(event))
+                )
+                event = subscription.get_nowait()
+            yield b"".join(frames)
     finally:
         subscription.close()
 
