@@ -4,11 +4,13 @@ Each choice is taken from the first source that makes it, in this order:
 
 1. the flag (`--tool-call-parser`, `--reasoning-parser`, `--max-thinking-budget`);
 2. the checkpoint's own `MODEL.toml` `[behavior]` (see `metrale.recipes`);
-3. the shipped recipe that matches the checkpoint (`metrale/recipes/*.toml`);
-4. `tool_defaults.toml`, keyed by the checkpoint's `model_type` (parsers only);
-5. for tool calls, the format the chat template reveals; else none.
+3. the best-matching recipe in the local index (`met sync-recipes`, `local_index_dir()`);
+4. the best-matching shipped recipe (`metrale/recipes/*.toml`), leaving out any whose file name
+   a local recipe also has;
+5. `tool_defaults.toml`, keyed by the checkpoint's `model_type` (parsers only);
+6. for tool calls, the format the chat template reveals; else none.
 
-A source saying "none" ends the search; a tool-call parser of "auto" means step 5. When the
+A source saying "none" ends the search; a tool-call parser of "auto" means step 6. When the
 recipes set `thinking_steering = false` there is no server-wide thinking budget at all: only
 a budget a request states is enforced.
 
@@ -35,6 +37,7 @@ from metrale.recipes import (
     Recipe,
     behavior_value_problem,
     checkpoint_recipe,
+    local_recipes,
     match_recipe,
     parse_behavior,
     shipped_recipes,
@@ -49,7 +52,7 @@ FLAGS = "flags"
 class Source:
     """One place choices come from; `label` is what the startup log says."""
 
-    label: str  # FLAGS for the command line, else e.g. "recipe qwen3"
+    label: str  # FLAGS for the command line, else e.g. "recipe qwen3 (metrale/recipes/...)"
     behavior: Behavior
 
     def label_for(self, field: str) -> str:
@@ -89,19 +92,27 @@ def behavior_sources(
     model_dir: Path,
     checkpoint: Checkpoint,
     recipes: Sequence[Recipe] | None = None,
+    local: Sequence[Recipe] | None = None,
 ) -> tuple[Source, ...]:
     """Every source of choices for this checkpoint, first wins. `flags` holds the command
-    line's values; `recipes` defaults to the shipped ones. Raises ValueError (RecipeError for
-    a file) naming what is wrong."""
+    line's values; `recipes` defaults to the shipped ones, `local` to the local index's.
+    Raises ValueError (RecipeError for a file) naming what is wrong."""
     for field, value in vars(flags).items():
         if value is not None and (problem := behavior_value_problem(field, value)) is not None:
             raise ValueError(f"--{field.replace('_', '-')} {value!r} {problem}")
     sources = [Source(FLAGS, flags)]
     if (own := checkpoint_recipe(model_dir)) is not None:
         sources.append(Source(f"checkpoint's {own.path}", own.behavior))
-    shipped = match_recipe(checkpoint, shipped_recipes() if recipes is None else recipes)
-    if shipped is not None:
-        sources.append(Source(f"recipe {shipped.name}", shipped.behavior))
+    local = local_recipes() if local is None else local
+    if (best_local := match_recipe(checkpoint, local)) is not None:
+        label = f"local recipe {best_local.name} ({best_local.path})"
+        sources.append(Source(label, best_local.behavior))
+    overridden = {r.name for r in local}  # a local file of a shipped one's name replaces it
+    shipped = shipped_recipes() if recipes is None else recipes
+    best_shipped = match_recipe(checkpoint, [r for r in shipped if r.name not in overridden])
+    if best_shipped is not None:
+        label = f"recipe {best_shipped.name} ({best_shipped.path})"
+        sources.append(Source(label, best_shipped.behavior))
     defaults = model_type_defaults(checkpoint.model_type)
     sources.append(Source(f"tool_defaults.toml, model_type {checkpoint.model_type}", defaults))
     return tuple(sources)

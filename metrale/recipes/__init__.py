@@ -13,17 +13,26 @@ A recipe is a TOML file with two tables:
     max_thinking_budget = 8192     # tokens, when `--max-thinking-budget` is not given
     thinking_steering = true       # false: only a budget the request states is enforced
 
-The recipes shipped in this folder are matched against the served checkpoint; the most specific
-match wins (see `Match.specificity`). A checkpoint directory may carry its own `MODEL.toml`
-beside config.json, in the same format; it applies to that checkpoint (its `[match]`, if any,
-is checked for form but not consulted) and wins over any shipped recipe. A file that does not
-parse, has an unknown key or names an unknown parser is an error naming the file, raised when
-the recipes are read at startup.
+Recipes come from three places, consulted in this order (the first that makes a choice wins):
+
+1. the checkpoint's own `MODEL.toml` beside config.json; it applies to that checkpoint (its
+   `[match]`, if any, is checked for form but not consulted);
+2. the local recipe index: the `*.toml` files in `METRALE_RECIPES_DIR`, else
+   `$METRALE_CACHE_DIR/recipes`, else `$XDG_CACHE_HOME/metrale/recipes` (by default
+   `~/.cache/metrale/recipes`), filled by `met sync-recipes` (`metrale.recipes.sync`); a missing
+   directory is an empty index;
+3. the recipes shipped in this folder; one whose file name a local recipe also has is not
+   consulted (the local one overrides it).
+
+Within the local index, and within the shipped recipes, the most specific match wins (see
+`Match.specificity`). A file that does not parse, has an unknown key or names an unknown parser
+is an error naming the file, raised when the recipes are read at startup.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import os
 import tomllib
 from collections.abc import Iterable
 from dataclasses import dataclass, fields
@@ -31,10 +40,13 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from metrale import envs
 from metrale.frontend.reasoning import reasoning_parser_names
 from metrale.frontend.tool_parsers import tool_parser_names
 
 CHECKPOINT_RECIPE = "MODEL.toml"
+SHIPPED_FOLDER = "metrale/recipes"  # how messages and labels name this folder
+RECIPES_DIR_ENV = "METRALE_RECIPES_DIR"
 AUTO = "auto"
 NONE = "none"
 
@@ -93,8 +105,8 @@ class Match:
 
 @dataclass(frozen=True)
 class Recipe:
-    name: str  # the file's stem for a shipped recipe; "MODEL.toml" for a checkpoint's own
-    path: str  # for messages
+    name: str  # the file's stem for a shipped or local recipe; "MODEL.toml" for a checkpoint's
+    path: str  # for messages and source labels
     match: Match | None  # None: no [match] table (a checkpoint's MODEL.toml may omit it)
     behavior: Behavior
 
@@ -138,7 +150,10 @@ def parse_recipe(text: str, path: str, name: str, *, require_match: bool) -> Rec
             f"[behavior]"
         )
     if require_match and "match" not in doc:
-        raise RecipeError(f"{path}: a shipped recipe needs a [match] table naming its checkpoints")
+        raise RecipeError(
+            f"{path}: a recipe needs a [match] table naming its checkpoints (only a checkpoint's "
+            f"own {CHECKPOINT_RECIPE} may leave it out)"
+        )
     match = _parse_match(doc["match"], f"{path} [match]") if "match" in doc else None
     behavior = parse_behavior(doc.get("behavior", {}), f"{path} [behavior]")
     return Recipe(name, path, match, behavior)
@@ -149,11 +164,53 @@ def shipped_recipes() -> list[Recipe]:
     folder = resources.files(__name__)
     return [
         parse_recipe(
-            entry.read_text(), str(entry), entry.name.removesuffix(".toml"), require_match=True
+            entry.read_text(),
+            f"{SHIPPED_FOLDER}/{entry.name}",
+            entry.name.removesuffix(".toml"),
+            require_match=True,
         )
         for entry in sorted(folder.iterdir(), key=lambda e: e.name)
         if entry.name.endswith(".toml")
     ]
+
+
+def local_index_dir() -> Path:
+    """Where `met sync-recipes` installs recipes and `met serve` reads them: METRALE_RECIPES_DIR,
+    else `recipes` in Metrale's cache directory (`metrale.envs.cache_dir`)."""
+    if path := os.environ.get(RECIPES_DIR_ENV):
+        return Path(path).expanduser()
+    return envs.cache_dir() / "recipes"
+
+
+def local_recipes(index_dir: Path | None = None) -> list[Recipe]:
+    """Every recipe in the local index (`local_index_dir()` unless given), each checked as
+    strictly as a shipped one; a missing directory is an empty index."""
+    folder = local_index_dir() if index_dir is None else index_dir
+    if not folder.is_dir():
+        return []
+    recipes = []
+    for path in sorted(folder.glob("*.toml")):
+        if path.name.startswith(".") or not path.is_file():
+            continue
+        try:
+            recipes.append(parse_recipe_file(path))
+        except RecipeError as e:
+            raise RecipeError(
+                f"{e} (in the local recipe index {folder}: fix or delete the file, or run "
+                f"`met sync-recipes` to install a good copy)"
+            ) from None
+    return recipes
+
+
+def parse_recipe_file(path: Path, label: str | None = None) -> Recipe:
+    """A recipe file outside the package, named by its stem and, in messages, by `label`
+    (default: its path)."""
+    where = str(path) if label is None else label
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise RecipeError(f"{where} is not UTF-8 text") from None
+    return parse_recipe(text, where, path.stem, require_match=True)
 
 
 def checkpoint_recipe(model_dir: Path) -> Recipe | None:

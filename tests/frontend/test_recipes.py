@@ -41,6 +41,13 @@ ARCHITECTURES = {
 }
 
 
+@pytest.fixture(autouse=True)
+def no_local_index(tmp_path, monkeypatch):
+    """The shipped recipes alone: a local index on this machine must not change the results
+    (tests/frontend/test_recipe_sync.py covers the local index)."""
+    monkeypatch.setenv("METRALE_RECIPES_DIR", str(tmp_path / "no-local-index"))
+
+
 def make_checkpoint(
     root: Path, model_type: str, model_toml: str | None = None, name: str = "ckpt"
 ) -> Path:
@@ -108,8 +115,9 @@ def test_shipped_recipes_match_the_families_we_serve(
 ):
     choice = choose(make_checkpoint(tmp_path, model_type), repo_id)
     assert (choice.tool_call_parser, choice.reasoning_parser) == (tool, reasoning)
-    assert choice.tool_call_parser_source == f"recipe {recipe_name}"
-    assert choice.reasoning_parser_source == f"recipe {recipe_name}"
+    label = f"recipe {recipe_name} (metrale/recipes/{recipe_name}.toml)"
+    assert choice.tool_call_parser_source == label
+    assert choice.reasoning_parser_source == label
 
 
 def test_the_demo_checkpoint_gets_the_demo_recipe(tmp_path):
@@ -161,14 +169,16 @@ def test_the_checkpoints_model_toml_wins_over_the_recipe(tmp_path):
     assert choice.tool_call_parser_source == f"checkpoint's {model_dir / 'MODEL.toml'}"
     # What MODEL.toml leaves out still comes from the recipe.
     assert choice.reasoning_parser == "deepseek_r1"
-    assert choice.reasoning_parser_source == "recipe test"
+    assert choice.reasoning_parser_source == "recipe test (/recipes/test.toml)"
 
 
 def test_the_recipe_wins_over_tool_defaults(tmp_path):
     # tool_defaults.toml gives qwen3_moe the qwen3 reasoning parser; Qwen3-Coder does not think.
     choice = choose(make_checkpoint(tmp_path, "qwen3_moe"), "Qwen/Qwen3-Coder-30B-A3B-Instruct")
     assert choice.reasoning_parser is None
-    assert choice.reasoning_parser_source == "recipe qwen3_coder"
+    assert choice.reasoning_parser_source == (
+        "recipe qwen3_coder (metrale/recipes/qwen3_coder.toml)"
+    )
 
 
 def test_tool_defaults_wins_over_the_chat_template(tmp_path):
@@ -209,7 +219,8 @@ def test_the_log_line_says_where_each_choice_came_from(tmp_path):
         make_checkpoint(tmp_path, "qwen3"), "Qwen/Qwen3-8B", flags=Behavior(None, None, 64)
     )
     assert choice.describe() == (
-        "tool-call parser hermes (recipe qwen3); reasoning parser qwen3 (recipe qwen3); "
+        "tool-call parser hermes (recipe qwen3 (metrale/recipes/qwen3.toml)); reasoning parser "
+        "qwen3 (recipe qwen3 (metrale/recipes/qwen3.toml)); "
         "max thinking budget 64 (--max-thinking-budget)"
     )
 
@@ -223,7 +234,7 @@ def test_max_thinking_budget_comes_from_the_recipe_unless_the_flag_is_given(tmp_
     from_recipe = choose(model_dir, "Qwen/Qwen3-8B", recipes=recipes)
     assert (from_recipe.max_thinking_budget, from_recipe.max_thinking_budget_source) == (
         2048,
-        "recipe test",
+        "recipe test (/recipes/test.toml)",
     )
     from_flag = choose(model_dir, "Qwen/Qwen3-8B", flags=Behavior(None, None, 300), recipes=recipes)
     assert from_flag.max_thinking_budget == 300
@@ -330,7 +341,7 @@ def test_a_bad_model_toml_is_an_error_naming_the_file(tmp_path, text, message):
 
 
 def test_a_shipped_recipe_needs_a_match_table():
-    with pytest.raises(RecipeError, match=r"/recipes/x\.toml: a shipped recipe needs a \[match\]"):
+    with pytest.raises(RecipeError, match=r"/recipes/x\.toml: a recipe needs a \[match\] table"):
         recipe('[behavior]\ntool_call_parser = "hermes"\n', "x")
 
 
