@@ -16,6 +16,7 @@ class Subcommand:
     help: str
     add_arguments: Callable[[argparse.ArgumentParser], None]
     run: Callable[[argparse.Namespace], int]
+    aliases: tuple[str, ...] = ()
 
 
 _SUBCOMMANDS: dict[str, Subcommand] = {}
@@ -26,7 +27,13 @@ def register(subcommand: Subcommand) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from metrale.entrypoints.cli import generate, serve  # noqa: F401  (they register)
+    from metrale.entrypoints.cli import (  # noqa: F401  (they register)
+        bench,
+        doctor,
+        generate,
+        recipes,
+        serve,
+    )
 
     parser = argparse.ArgumentParser(
         prog="met",
@@ -35,7 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_logging_arguments(parser, argparse.SUPPRESS)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for sub in _SUBCOMMANDS.values():
-        sub_parser = subparsers.add_parser(sub.name, help=sub.help, description=sub.help)
+        sub_parser = subparsers.add_parser(
+            sub.name, help=sub.help, description=sub.help, aliases=list(sub.aliases)
+        )
         sub.add_arguments(sub_parser)
         _add_logging_arguments(sub_parser, argparse.SUPPRESS)
         sub_parser.set_defaults(run=sub.run)
