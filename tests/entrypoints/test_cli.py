@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import subprocess
 import sys
@@ -48,10 +49,18 @@ def test_help_explains_every_flag():
     parser = build_parser()
     subcommands = parser._subparsers._group_actions[0].choices
     assert {"generate", "serve"} <= set(subcommands)
-    for name, sub in subcommands.items():
-        for action in sub._actions:
+    assert {"bench", "doctor", "sync-recipes"} <= set(subcommands)
+
+    def check(name: str, parser: argparse.ArgumentParser) -> None:
+        for action in parser._actions:
             if action.dest != "help":
                 assert action.help, f"met {name} {action.option_strings or action.dest}: no help"
+            if isinstance(action, argparse._SubParsersAction):  # met bench serve, ...
+                for mode, sub in action.choices.items():
+                    check(f"{name} {mode}", sub)
+
+    for name, sub in subcommands.items():
+        check(name, sub)
     result = subprocess.run(
         [sys.executable, "-m", "metrale", "--help"], capture_output=True, text=True, check=True
     )

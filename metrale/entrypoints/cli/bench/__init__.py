@@ -23,7 +23,9 @@ _MODULES = {"serve": "serve", "offline": "offline", "latency": "offline"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    modes = parser.add_subparsers(dest="mode", metavar="MODE", required=True)
+    modes = parser.add_subparsers(
+        dest="mode", metavar="MODE", required=True, help="what to measure"
+    )
     for mode, help_text in MODES.items():
         module = _module(mode)
         sub = modes.add_parser(mode, help=help_text, description=help_text)

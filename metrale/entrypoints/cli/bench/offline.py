@@ -47,11 +47,11 @@ def add_offline_arguments(parser: argparse.ArgumentParser) -> None:
 def add_latency_arguments(parser: argparse.ArgumentParser) -> None:
     _add_common(parser)
     g = parser.add_argument_group("latency")
-    g.add_argument("--input-len", type=int, default=32)
-    g.add_argument("--output-len", type=int, default=128)
-    g.add_argument("--batch-size", type=int, default=8)
-    g.add_argument("--num-iters-warmup", type=int, default=3)
-    g.add_argument("--num-iters", type=int, default=10)
+    g.add_argument("--input-len", type=int, default=32, help="prompt tokens")
+    g.add_argument("--output-len", type=int, default=128, help="tokens generated per prompt")
+    g.add_argument("--batch-size", type=int, default=8, help="prompts per timed batch")
+    g.add_argument("--num-iters-warmup", type=int, default=3, help="untimed batches first")
+    g.add_argument("--num-iters", type=int, default=10, help="timed batches")
 
 
 def run_offline(args: argparse.Namespace) -> int:

@@ -54,9 +54,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a server to drive (repeat for several, run in turn on the same prompts; "
         "default http://127.0.0.1:8000)",
     )
-    g.add_argument("--endpoint", default="/v1/completions", choices=ENDPOINTS)
+    g.add_argument(
+        "--endpoint", default="/v1/completions", choices=ENDPOINTS, help="the route to stream from"
+    )
     g.add_argument("--model", help="the model name to send (default: the server's first)")
-    g.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
+    g.add_argument(
+        "--api-key",
+        default=os.environ.get("OPENAI_API_KEY"),
+        help="sent as a bearer token and x-api-key (default: $OPENAI_API_KEY)",
+    )
     g.add_argument(
         "--extra-body",
         type=json.loads,
@@ -89,7 +95,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N[,N...]",
         help="at most N requests in flight; a list sweeps (default: no cap)",
     )
-    g.add_argument("--arrival", default="poisson", choices=ARRIVALS)
+    g.add_argument(
+        "--arrival",
+        default="poisson",
+        choices=ARRIVALS,
+        help="gaps between sends at a finite rate: gamma-distributed, or all 1/rate",
+    )
     g.add_argument(
         "--burstiness",
         type=float,
@@ -103,7 +114,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="each run ends by then; requests still running fail (default 600)",
     )
-    g.add_argument("--request-timeout", type=float, default=300.0, metavar="SECONDS")
+    g.add_argument(
+        "--request-timeout",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="one request's read timeout (default 300)",
+    )
     g.add_argument(
         "--no-warmup",
         action="store_true",
@@ -127,7 +144,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="JSON",
         help="draw and tabulate earlier results side by side (no run)",
     )
-    g.add_argument("--disable-progress", action="store_true")
+    g.add_argument("--disable-progress", action="store_true", help="no progress bar")
     g.add_argument(
         "--save-detailed",
         action="store_true",

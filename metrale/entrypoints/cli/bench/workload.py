@@ -19,9 +19,15 @@ from metrale.entrypoints.cli.bench.datasets import DATASETS, DatasetSpec, Sample
 def add_dataset_arguments(parser: argparse.ArgumentParser, *, seed: bool = True) -> None:
     """The dataset flags; `seed=False` where the engine's `--seed` is already a flag."""
     g = parser.add_argument_group("dataset")
-    g.add_argument("--dataset", "--dataset-name", default="random", choices=DATASETS)
+    g.add_argument(
+        "--dataset",
+        "--dataset-name",
+        default="random",
+        choices=DATASETS,
+        help="where the prompts come from (default random)",
+    )
     g.add_argument("--dataset-path", type=Path, help="sharegpt: a local ShareGPT-format JSON")
-    g.add_argument("--num-prompts", type=int, default=100)
+    g.add_argument("--num-prompts", type=int, default=100, help="requests per run")
     g.add_argument(
         "--input-len",
         type=int,
