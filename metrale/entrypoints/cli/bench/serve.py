@@ -28,7 +28,7 @@ from metrale.entrypoints.cli.bench import report
 from metrale.entrypoints.cli.bench.datasets import Sample, sample_requests
 from metrale.entrypoints.cli.bench.endpoints import ENDPOINTS, RequestSettings, send
 from metrale.entrypoints.cli.bench.load import ARRIVALS, LoadShape, run_load
-from metrale.entrypoints.cli.bench.metrics import parse_goodput, summarize
+from metrale.entrypoints.cli.bench.metrics import output_len, parse_goodput, summarize
 from metrale.entrypoints.cli.bench.target import (
     Target,
     scrape,
@@ -267,9 +267,7 @@ async def _one_run(
         "goodput_slos_ms": goodput or None,
         "errors": dict(Counter(r.error.split(":")[0] for r in results if not r.success)),
         "input_lens": [r.prompt_len for r in results],
-        "output_lens": [
-            (r.output_tokens or count_tokens(r.generated_text)) if r.success else 0 for r in results
-        ],
+        "output_lens": [output_len(r, count_tokens) if r.success else 0 for r in results],
         "ttfts": [r.ttft if r.success else None for r in results],
         "e2els": [r.latency if r.success else None for r in results],
     }
