@@ -97,7 +97,10 @@ def prepare(
             f"{params.max_tokens} for the completion): shorten the prompt or lower max_tokens",
             param="max_tokens",
         )
-    now = time.monotonic()
+    # Arrival is when the HTTP request came in (its access-log record's start), so the server's
+    # TTFT and E2E latency count parsing, templating and tokenizing as its client does.
+    record = access_log.current_record()
+    now = record.start_s if record is not None else time.monotonic()
     children = []
     for i in range(n):
         child_params = params

@@ -164,6 +164,8 @@ class Telemetry:
                 metrics.request_prefill_time.observe(prefill)
                 metrics.request_decode_time.observe(decode)
                 metrics.request_inference_time.observe(prefill + decode)
+            if decode is not None and live.generated > 1:
+                metrics.request_time_per_output_token.observe(decode / (live.generated - 1))
         ttft = None if live.first_token_s is None else live.first_token_s - live.arrival_s
         if self.bus.has_subscribers:
             self.bus.publish(

@@ -122,6 +122,11 @@ class Metrics:
         self.e2e_request_latency = histogram(
             "e2e_request_latency_seconds", "End-to-end request latency", REQUEST_LATENCY_BUCKETS
         )
+        self.request_time_per_output_token = histogram(
+            "request_time_per_output_token_seconds",
+            "Per request: time from first to last token over the tokens after the first",
+            ITL_BUCKETS,
+        )
         self.request_queue_time = histogram(
             "request_queue_time_seconds", "Time waiting before first scheduled",
             REQUEST_LATENCY_BUCKETS,

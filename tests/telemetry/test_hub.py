@@ -80,6 +80,9 @@ def test_request_figures_are_exact():
     assert got["metrale:request_prefill_time_seconds_sum{}"] == 0.75
     assert got["metrale:request_decode_time_seconds_sum{}"] == 1.5
     assert got["metrale:request_inference_time_seconds_sum{}"] == 2.25
+    # vLLM's per-request TPOT: 1.5 s from first to last token over the three after the first
+    assert got["metrale:request_time_per_output_token_seconds_sum{}"] == 0.5
+    assert got["metrale:request_time_per_output_token_seconds_count{}"] == 1
     assert got["metrale:e2e_request_latency_seconds_sum{}"] == 3.5
     assert got["metrale:request_generation_tokens_sum{}"] == 4
     kinds = []
