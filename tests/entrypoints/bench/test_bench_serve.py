@@ -1,101 +1,14 @@
-"""`met bench serve` end to end against a scripted server with known delays: the first chunk
-after TTFT_S, then one token every GAP_S, for each of the three endpoints."""
+"""`met bench serve` end to end against a scripted server with known delays (scripted_server.py)
+for each of the three endpoints."""
 
-import asyncio
 import json
-import socket
-import threading
 import time
 
 import pytest
-import uvicorn
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
 
 from metrale import demo
 from metrale.entrypoints.cli import main
-
-TTFT_S, GAP_S = 0.10, 0.02
-OUTPUT_LEN = 6
-
-
-def scripted_app(fail_request: int | None = None, hang: bool = False) -> FastAPI:
-    app = FastAPI()
-    seen = {"n": 0}
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": "scripted", "object": "model"}]}
-
-    async def events(kind: str, n: int):
-        if hang:
-            await asyncio.sleep(60)
-        if kind == "chat":  # a role chunk at once: not output, so not the TTFT
-            yield {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
-        if kind == "messages":
-            yield {"type": "message_start", "message": {"usage": {"input_tokens": 3}}}
-        await asyncio.sleep(TTFT_S)
-        for i in range(n):
-            if i:
-                await asyncio.sleep(GAP_S)
-            if kind == "completions":
-                yield {"choices": [{"index": 0, "text": f" t{i}"}]}
-            elif kind == "chat":
-                yield {"choices": [{"index": 0, "delta": {"content": f" t{i}"}}]}
-            else:
-                yield {
-                    "type": "content_block_delta",
-                    "delta": {"type": "text_delta", "text": f" t{i}"},
-                }
-        if kind == "messages":
-            yield {"type": "message_delta", "usage": {"output_tokens": n}}
-        else:
-            yield {"choices": [], "usage": {"completion_tokens": n}}
-
-    def streamed(kind: str):
-        async def handler(request: Request):
-            body = await request.json()
-            seen["n"] += 1
-            if seen["n"] == fail_request:
-                return JSONResponse({"error": {"message": "scripted failure"}}, 500)
-            n = body.get("max_tokens") or body.get("max_completion_tokens")
-
-            async def sse():
-                async for event in events(kind, n):
-                    yield f"data: {json.dumps(event)}\n\n"
-                if kind != "messages":
-                    yield "data: [DONE]\n\n"
-
-            return StreamingResponse(sse(), media_type="text/event-stream")
-
-        return handler
-
-    app.post("/v1/completions")(streamed("completions"))
-    app.post("/v1/chat/completions")(streamed("chat"))
-    app.post("/v1/messages")(streamed("messages"))
-    return app
-
-
-@pytest.fixture
-def serve_app():
-    servers = []
-
-    def start(app: FastAPI) -> str:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        server = uvicorn.Server(uvicorn.Config(app, port=port, log_level="warning"))
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
-        while not server.started:
-            time.sleep(0.01)
-        servers.append((server, thread))
-        return f"http://127.0.0.1:{port}"
-
-    yield start
-    for server, thread in servers:
-        server.should_exit = True
-        thread.join(5)
+from tests.entrypoints.bench.scripted_server import GAP_S, OUTPUT_LEN, TTFT_S, scripted_app
 
 
 def bench(url: str, tmp_path, *extra: str) -> dict:
@@ -195,6 +108,18 @@ def test_a_sweep_and_two_targets_then_plots_and_compare(serve_app, tmp_path, cap
     assert main(["bench", "serve", "--compare", str(tmp_path / "r.json")]) == 0
     table = capsys.readouterr().out
     assert table.count("\na ") == 2 and table.count("\nb ") == 2
+
+
+@pytest.mark.parametrize("distinct", [False, True])
+def test_distinct_prompts_give_each_run_of_a_sweep_its_own(serve_app, tmp_path, distinct):
+    bodies: list[dict] = []
+    url = serve_app(scripted_app(bodies=bodies))
+    extra = ["--max-concurrency", "1,2", "--no-warmup"] + ["--distinct-prompts"] * distinct
+    doc = bench(url, tmp_path, *extra)
+    assert doc["exit_code"] == 0
+    first, second = ({b["prompt"] for b in bodies[i * 6 : (i + 1) * 6]} for i in range(2))
+    assert len(first) == len(second) == 6
+    assert (first & second == set()) if distinct else (first == second)
 
 
 def test_a_dead_server_is_a_clear_error(tmp_path, capsys):

@@ -36,6 +36,9 @@ def test_summary_follows_vllm_definitions():
     gaps = sorted([20, 20, 40, 20, 100, 100])
     assert s["mean_itl_ms"] == pytest.approx(sum(gaps) / 6)
     assert s["p90_itl_ms"] == pytest.approx(gaps[4] + 0.5 * (gaps[5] - gaps[4]))
+    # per token, as a server counts ITL: 0.1 s after request 1's first token over its 4 later
+    # tokens and 0.2 s over request 2's 2
+    assert s["mean_itl_per_token_ms"] == pytest.approx(1e3 * (0.1 + 0.2) / (4 + 2))
     assert s["p99_e2el_ms"] == pytest.approx(200 + 0.98 * (500 - 200))
     # good: request 1 (TTFT 100 <= 200, TPOT 25 <= 30) and request 3 (TTFT 50, TPOT 0)
     assert s["request_goodput"] == pytest.approx(1.0)
@@ -45,6 +48,15 @@ def test_output_tokens_fall_back_to_the_tokenizer_then_to_chunks():
     r = RequestResult(4, True, 0.1, [0.01, 0.01], 0.12, generated_text="a b c d")
     assert summarize([r], 1.0, count_tokens=lambda t: len(t.split()))["total_output_tokens"] == 4
     assert summarize([r], 1.0)["total_output_tokens"] == 3  # one per output chunk
+
+
+def test_the_per_token_itl_spreads_a_chunk_of_several_tokens():
+    """Six tokens in three chunks of two: two chunk gaps of 40 ms, five token gaps (0, 40, 0,
+    40, 0 ms as a server observes them) averaging 16 ms."""
+    r = RequestResult(4, True, 0.1, [0.04, 0.04], 0.18, output_tokens=6)
+    s = summarize([r], 1.0)
+    assert s["mean_itl_ms"] == pytest.approx(40.0)
+    assert s["mean_itl_per_token_ms"] == pytest.approx(16.0)
 
 
 def test_no_successful_request_gives_zeros_not_errors():

@@ -109,6 +109,13 @@ def summarize(
         "output_throughput": total_output / seconds,
         "total_token_throughput": (total_input + total_output) / seconds,
     }
+    # The ITL per token, as a server counts it (tokens that arrive in one chunk are 0 s apart):
+    # the time after each first token over the tokens after it. vLLM's ITL above is per chunk,
+    # longer when a chunk carries several tokens.
+    gaps = [(r.latency - r.ttft, n - 1) for r, n in zip(done, out_lens, strict=True) if n > 1]
+    summary["mean_itl_per_token_ms"] = (
+        1e3 * sum(g for g, _ in gaps) / sum(k for _, k in gaps) if gaps else 0.0
+    )
     if goodput:
         good = sum(_meets(r, n, goodput) for r, n in zip(done, out_lens, strict=True))
         summary["request_goodput"] = good / seconds

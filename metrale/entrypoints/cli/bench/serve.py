@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import math
@@ -122,6 +123,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="one request's read timeout (default 300)",
     )
     g.add_argument(
+        "--distinct-prompts",
+        action="store_true",
+        help="each run of a sweep draws its own prompts (seed + the run's index), so the "
+        "server's prefix cache does not serve a run from an earlier run's prompts",
+    )
+    g.add_argument(
         "--no-warmup",
         action="store_true",
         help="skip the one request each server gets first (it also checks the route)",
@@ -201,7 +208,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     for shape in shapes:
         shape.check()
     spec = dataset_spec(args)
-    samples: list[Sample] | None = None
+    samples: list[list[Sample]] | None = None  # per run of the sweep
     tokenizer = None
     doc: dict[str, Any] = metadata("met bench serve", args) | {"targets": []}
     for target in targets:
@@ -210,11 +217,16 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             model = args.model or await _first_model(client, target)
             if samples is None:
                 tokenizer = load_tokenizer(args.tokenizer, model, info)
-                samples = sample_requests(spec, tokenizer)
-                doc["dataset"] = describe_dataset(spec, samples)
+                samples = [sample_requests(spec, tokenizer)]
+                if args.distinct_prompts:
+                    samples += [
+                        sample_requests(dataclasses.replace(spec, seed=spec.seed + i), tokenizer)
+                        for i in range(1, len(shapes))
+                    ]
+                doc["dataset"] = describe_dataset(spec, samples[0])
             settings = RequestSettings(model, args.ignore_eos, args.temperature, args.extra_body)
             if not args.no_warmup:
-                await _warm_up(client, target, args.endpoint, samples[0], settings)
+                await _warm_up(client, target, args.endpoint, samples[0][0], settings)
             entry = {
                 "name": target.name,
                 "base_url": target.base_url,
@@ -222,10 +234,11 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                 "server": info,
                 "runs": [],
             }
-            for shape in shapes:
+            for i, shape in enumerate(shapes):
                 print(f"\n{target.name}: {_describe(shape)}", file=sys.stderr)
+                run_samples = samples[i if args.distinct_prompts else 0]
                 row = await _one_run(
-                    client, args, samples, settings, shape, goodput, percentiles, tokenizer
+                    client, args, run_samples, settings, shape, goodput, percentiles, tokenizer
                 )
                 print(report.summary_table(row, percentiles))
                 entry["runs"].append(row)

@@ -58,42 +58,61 @@ async def served_models(client: httpx.AsyncClient) -> list[str]:
     return [m["id"] for m in response.json().get("data", []) if isinstance(m, dict) and "id" in m]
 
 
-async def scrape(client: httpx.AsyncClient) -> dict[str, tuple[float, float]] | None:
-    """Every histogram's (sum, count) over all its labels, by its name without the prefix
-    (`metrale:`, `vllm:`); None when there is no Prometheus `/metrics`."""
+@dataclass(frozen=True)
+class Scrape:
+    """One read of a server's `/metrics`, every series summed over its labels, by its name
+    without the prefix (`metrale:`, `vllm:`): histograms as (sum, count), counters' totals."""
+
+    histograms: dict[str, tuple[float, float]]
+    counters: dict[str, float]
+
+
+async def scrape(client: httpx.AsyncClient) -> Scrape | None:
+    """The server's `/metrics` now; None when there is no Prometheus `/metrics`."""
     try:
         response = await client.get("/metrics", timeout=10)
     except httpx.HTTPError:
         return None
     if response.status_code != 200:
         return None
-    totals: dict[str, list[float]] = {}
+    histograms: dict[str, list[float]] = {}
+    counters: dict[str, float] = {}
     try:
         for family in text_string_to_metric_families(response.text):
             for sample in family.samples:
+                name = sample.name.rpartition(":")[2]
+                if family.type == "counter" and name.endswith("_total"):
+                    name = name.removesuffix("_total")
+                    counters[name] = counters.get(name, 0.0) + sample.value
                 for suffix, slot in (("_sum", 0), ("_count", 1)):
-                    if sample.name.endswith(suffix):
-                        name = sample.name.removesuffix(suffix).rpartition(":")[2]
-                        totals.setdefault(name, [0.0, 0.0])[slot] += sample.value
+                    if family.type == "histogram" and name.endswith(suffix):
+                        histograms.setdefault(name.removesuffix(suffix), [0.0, 0.0])[slot] += (
+                            sample.value
+                        )
     except ValueError:
         return None
-    return {name: (v[0], v[1]) for name, v in totals.items()}
+    return Scrape({name: (v[0], v[1]) for name, v in histograms.items()}, counters)
 
 
-def server_means(
-    before: dict[str, tuple[float, float]] | None, after: dict[str, tuple[float, float]] | None
-) -> dict[str, float]:
+def server_means(before: Scrape | None, after: Scrape | None) -> dict[str, float]:
     """The server's own mean of each latency over the run, in ms (`server_mean_ttft_ms`, ...)
-    from the histograms' growth; a latency the server does not export is left out."""
+    from the histograms' growth, and the share of looked-up prompt tokens its prefix cache
+    served (`server_prefix_cache_hit_rate`); what the server does not export is left out."""
     if before is None or after is None:
         return {}
     means = {}
     for ours, names in SERVER_HISTOGRAMS.items():
         for name in names:
-            if name in after:
-                total, count = after[name]
-                prior = before.get(name, (0.0, 0.0))
+            if name in after.histograms:
+                total, count = after.histograms[name]
+                prior = before.histograms.get(name, (0.0, 0.0))
                 if count > prior[1]:
                     means[f"server_mean_{ours}_ms"] = 1e3 * (total - prior[0]) / (count - prior[1])
                 break
+    queries, hits = (
+        after.counters.get(k, 0.0) - before.counters.get(k, 0.0)
+        for k in ("prefix_cache_queries", "prefix_cache_hits")
+    )
+    if queries > 0:
+        means["server_prefix_cache_hit_rate"] = hits / queries
     return means
