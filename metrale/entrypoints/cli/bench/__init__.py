@@ -3,6 +3,8 @@
 - `serve`: drive OpenAI- or Anthropic-compatible servers (`serve.py`);
 - `offline` and `latency`: the in-process engine, like `vllm bench throughput` and
   `vllm bench latency` (`offline.py`);
+- `certify`: a fixed suite of `serve` runs judged by per-box thresholds (`certify.py`; the suite
+  and thresholds are data, `certify.toml`, read by `certify_suite.py`);
 
 The metric math is plain functions in `metrics.py`; datasets in `datasets.py`.
 """
@@ -18,8 +20,9 @@ MODES = {
     "serve": "drive OpenAI- or Anthropic-compatible servers and report vLLM's serving metrics",
     "offline": "the in-process engine's throughput on a dataset (like vllm bench throughput)",
     "latency": "the in-process engine's batch latency (like vllm bench latency)",
+    "certify": "a fixed suite against met serve, judged by this box class's thresholds",
 }
-_MODULES = {"serve": "serve", "offline": "offline", "latency": "offline"}
+_MODULES = {"serve": "serve", "offline": "offline", "latency": "offline", "certify": "certify"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -70,6 +70,8 @@ def summary_table(row: dict[str, Any], percentiles: Sequence[float]) -> str:
         for p in percentiles:
             label = percentile_label(p)
             add(f"P{label} {upper} (ms):", row[f"p{label}_{name}_ms"])
+        if name == "itl" and "mean_itl_per_token_ms" in row:
+            add("Mean ITL per token (ms):", row["mean_itl_per_token_ms"])
         if f"server_mean_{name}_ms" in row:
             add(f"Server's mean {upper} (ms):", row[f"server_mean_{name}_ms"])
     lines.append("=" * 50)
@@ -176,6 +178,95 @@ def plot(docs: Sequence[dict[str, Any]], out_dir: Path) -> list[Path]:
     ax.legend(fontsize=7)
     written.append(_save(fig, out_dir / "ttft_cdf.png"))
     return written
+
+
+def verdict_table(verdicts: Sequence[dict[str, Any]]) -> str:
+    """One line per threshold: the check, the metric, its value against the bound, PASS/FAIL."""
+    lines = [f"{'check':<14} {'metric':<22} {'value':>10}   {'threshold':<14} verdict"]
+    for v in verdicts:
+        sign = ">=" if v["bound"] == "min" else "<="
+        lines.append(
+            f"{v['check']:<14} {v['metric']:<22} {_figure(v['value']):>10}   "
+            f"{sign} {_figure(v['threshold']):<11} {'PASS' if v['passed'] else 'FAIL'}"
+        )
+    return "\n".join(lines)
+
+
+def certify_markdown(doc: dict[str, Any], figures: Sequence[str]) -> str:
+    """`met bench certify`'s report: the box, the server, each check's figures and verdicts."""
+    failed = [v for v in doc["verdicts"] if not v["passed"]]
+    if failed:
+        outcome = f"**FAIL**: {len(failed)} of {len(doc['verdicts'])} thresholds missed"
+    elif doc["no_thresholds_because"]:
+        outcome = f"**no verdict**: {doc['no_thresholds_because']}"
+    else:
+        outcome = f"**PASS**: {len(doc['verdicts'])} thresholds held"
+    serve = f"; met serve {' '.join(doc['serve_args'])}" if doc.get("serve_args") else ""
+    out = [
+        "# met bench certify",
+        "",
+        outcome,
+        "",
+        f"- date: {doc['date']}; Metrale {doc['metrale_version']} ({doc.get('git_sha') or '-'})",
+        f"- machine: {_machine(doc.get('hardware') or {})}; box class: {doc.get('box') or '-'}",
+        f"- model: {doc.get('model')}{serve}",
+        f"- suite: {doc['suite']}",
+        "",
+        "| check | metric | value | threshold | verdict |",
+        "|---|---|---|---|---|",
+    ]
+    for entry in doc["checks"]:
+        judged = {v["metric"]: v for v in doc["verdicts"] if v["check"] == entry["name"]}
+        for metric in {**entry["values"], **judged}:
+            v = judged.get(metric)
+            bound = verdict = ""
+            if v:
+                bound = f"{'>=' if v['bound'] == 'min' else '<='} {_figure(v['threshold'])}"
+                verdict = "PASS" if v["passed"] else "**FAIL**"
+            value = _figure(entry["values"].get(metric))
+            out.append(f"| {entry['name']} | {metric} | {value} | {bound} | {verdict} |")
+    for entry in doc["checks"]:
+        out += ["", f"## {entry['name']}", "", entry["title"], ""]
+        if "error" in entry:
+            out.append(f"Did not run: {entry['error']}")
+            continue
+        out += [
+            "| run | concurrency | done | failed | out tok/s | median TTFT ms | median TPOT ms "
+            "| p99 ITL ms | server TTFT / TPOT ms | prefix hits |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for label, key in (("baseline", "baseline"), ("run", "runs")):
+            for r in (entry.get(key) or {"targets": [{"runs": []}]})["targets"][0]["runs"]:
+                server = f"{_figure(r.get('server_mean_ttft_ms'))} / "
+                server += _figure(r.get("server_mean_tpot_ms"))
+                out.append(
+                    f"| {label} | {r['max_concurrency'] or '-'} | {r['completed']} | "
+                    f"{r['failed']} | {_figure(r['output_throughput'])} | "
+                    f"{_figure(r['median_ttft_ms'])} | {_figure(r['median_tpot_ms'])} | "
+                    f"{_figure(r['p99_itl_ms'])} | {server} | "
+                    f"{_figure(r.get('server_prefix_cache_hit_rate'))} |"
+                )
+    out.append("")
+    out += [f"![{name}]({name})" for name in figures]
+    return "\n".join(out) + "\n"
+
+
+def _machine(hardware: dict[str, Any]) -> str:
+    cpu = hardware.get("cpu") or {}
+    parts = [f"{cpu.get('cores')} CPU cores ({cpu.get('model')})"]
+    parts += [
+        f"{g['name']} ({g['memory_total_bytes'] / 2**30:.0f} GiB)"
+        for g in hardware.get("gpus") or []
+    ]
+    return ", ".join(parts)
+
+
+def _figure(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.3g}" if abs(value) < 100 else f"{value:.0f}"
+    return str(value)
 
 
 def _rate(value: Any) -> float:
