@@ -378,8 +378,13 @@ class SchedulerConfig:
     max_prefill_tokens: int
     max_num_batched_tokens: int
     max_seq_len: int
+    policy: str = "fifo"  # scheduling_policy.POLICIES
+    tbt_deadline_ms: float | None = None  # slai's time-between-tokens deadline
 
     def __post_init__(self) -> None:
+        from metrale.engine.scheduling_policy import make_policy
+
+        make_policy(self.policy, self.tbt_deadline_ms)  # a bad policy or deadline fails here
         for name in ("max_num_seqs", "max_batch_size", "max_prefill_tokens", "max_seq_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} is out of range: must be >= 1")

@@ -25,6 +25,7 @@ from metrale.config import (
     parse_dtype,
     parse_kv_cache_dtype,
 )
+from metrale.engine.scheduling_policy import POLICIES
 from metrale.generation_config import GenerationDefaults
 from metrale.layers.attention import resolve_backend
 
@@ -125,6 +126,8 @@ class EngineArgs:
     max_cuda_graph_batch: int = 512
     enforce_eager: bool = False
     scheduler_config: str = "auto"
+    scheduler: str = "fifo"
+    tbt_deadline_ms: float | None = None
     disable_log_stats: bool = False
 
     @staticmethod
@@ -226,6 +229,23 @@ class EngineArgs:
             help="async: schedule and prepare the next step while the GPU runs this one; "
             "auto picks async on a GPU",
         )
+        g.add_argument(
+            "--scheduler",
+            "--scheduling-policy",
+            default=d.scheduler,
+            type=lambda v: "fifo" if v == "fcfs" else v,  # vLLM's name for fifo
+            choices=list(POLICIES),
+            help="the order requests are served in: fifo (arrival; vLLM's fcfs), priority "
+            "(each request's priority field, lowest first), slai (deadline-aware: no new prompt "
+            "while a running request nears --tbt-deadline-ms since its last token; shortest "
+            "prompts first after the queue's front)",
+        )
+        g.add_argument(
+            "--tbt-deadline-ms",
+            type=float,
+            default=d.tbt_deadline_ms,
+            help="slai: the time between tokens a running request should not exceed",
+        )
         g = parser.add_argument_group("KV cache")
         g.add_argument(
             "--block-size", type=int, default=d.block_size, help="tokens per KV-cache block"
@@ -320,6 +340,8 @@ class EngineArgs:
             max_num_batched_tokens=self.max_num_batched_tokens
             or max_prefill_tokens + max_batch_size,
             max_seq_len=max_seq_len,
+            policy=self.scheduler,
+            tbt_deadline_ms=self.tbt_deadline_ms,
         )
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(

@@ -98,6 +98,7 @@ class EngineCore:
                 sampling_params=request.sampling_params,
                 eos_token_ids=self.config.eos_token_ids,
                 arrival_time_s=request.arrival_time_s,
+                priority=request.priority,
             )
         )
 

@@ -38,6 +38,7 @@ class EngineRequest(msgspec.Struct, frozen=True):
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     arrival_time_s: float
+    priority: int = 0  # lower first, under --scheduler priority
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):

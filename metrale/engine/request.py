@@ -35,6 +35,7 @@ class Request:
     sampling_params: SamplingParams
     eos_token_ids: tuple[int, ...] = ()
     arrival_time_s: float = field(default_factory=time.monotonic)
+    priority: int = 0  # the priority policy serves lower values first
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -48,6 +49,7 @@ class Request:
     queued_time_s: float = field(default_factory=time.monotonic)
     scheduled_time_s: float | None = None
     first_token_time_s: float | None = None
+    last_token_time_s: float | None = None  # when update() last gave it a token (slai)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

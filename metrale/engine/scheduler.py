@@ -1,11 +1,13 @@
-"""First-come-first-served continuous batching with chunked prefill and preemption.
+"""Continuous batching with chunked prefill and preemption, in the order a policy sets.
 
 Each step the scheduler gives running requests their next tokens first, oldest first; when the
-KV pool runs dry it preempts the newest running request (its blocks are freed and it is
-recomputed later, from the front of the queue). Then, if nothing was preempted, it admits waiting
-requests in arrival order while the token budget, `max_prefill_tokens`, `max_batch_size` and
-`max_num_seqs` allow; prefix-cache hits count as computed tokens. A step's one-token chunks
-(decodes) come first in its output, for attention to run them as one decode batch.
+KV pool runs dry it preempts the running request the policy names (fifo: the newest; its blocks
+are freed and it is recomputed later, from the front of the queue). Then, if nothing was
+preempted and the policy allows it this step, it admits waiting requests in the policy's order
+(fifo: arrival; `scheduling_policy.py`) while the token budget, `max_prefill_tokens`,
+`max_batch_size` and `max_num_seqs` allow; prefix-cache hits count as computed tokens. A step's
+one-token chunks (decodes) come first in its output, for attention to run them as one decode
+batch.
 
 A step's tokens count as computed, and its samples as pending, as soon as it is scheduled; its
 result comes back through `update()`. So the next step can be scheduled before that result is
@@ -18,11 +20,13 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 
 from metrale.config import SchedulerConfig
 from metrale.engine.kv_cache_manager import KVCacheManager
 from metrale.engine.messages import EngineOutput, FinishReason
 from metrale.engine.request import Request, RequestStatus
+from metrale.engine.scheduling_policy import make_policy
 from metrale.engine.step import (
     PENDING_TOKEN_ID,
     ModelRunnerOutput,
@@ -33,9 +37,16 @@ from metrale.engine.step import (
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache: KVCacheManager,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.config = config
         self.kv_cache = kv_cache
+        self.policy = make_policy(config.policy, config.tbt_deadline_ms)
+        self.clock = clock
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -87,7 +98,9 @@ class Scheduler:
                 i += 1
                 continue
             while not self.kv_cache.allocate(request, num_new):
-                victim = self.running.pop()
+                # only a request not yet scheduled this step can give up its blocks
+                victim = self.policy.victim(self.running[i:])
+                self.running.remove(victim)
                 self._preempt(victim)
                 preempted = True
                 if victim is request:
@@ -100,13 +113,14 @@ class Scheduler:
                     prefill_budget -= num_new
                 i += 1
 
-        while (
-            self.waiting
-            and not preempted
-            and len(chunks) < self.config.max_batch_size
-            and len(self.running) < self.config.max_num_seqs
-        ):
-            request = self.waiting[0]
+        now = self.clock()
+        room = min(
+            self.config.max_batch_size - len(chunks), self.config.max_num_seqs - len(self.running)
+        )
+        candidates: list[Request] = []
+        if self.waiting and not preempted and room > 0 and self.policy.may_admit(self.running, now):
+            candidates = self.policy.admission_order(self.waiting, room)
+        for request in candidates:
             cached_prefix = self.kv_cache.find_cached_prefix(request)
             num_cached = len(cached_prefix) * self.kv_cache.block_size
             num_new = self._num_tokens_to_compute(
@@ -115,11 +129,14 @@ class Scheduler:
             if num_new == 0 or not self.kv_cache.allocate(request, num_new, cached_prefix):
                 break
             request.num_computed_tokens = num_cached
-            self.waiting.popleft()
+            if self.waiting[0] is request:
+                self.waiting.popleft()
+            else:
+                self.waiting.remove(request)
             self.kv_cache.record_admission(request, num_cached)
             if request.num_preemptions == 0:
                 request.num_cached_prompt_tokens = num_cached
-                request.scheduled_time_s = time.monotonic()
+                request.scheduled_time_s = now
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             chunks.append(self._schedule_chunk(request, num_new))
@@ -136,7 +153,7 @@ class Scheduler:
     def update(self, scheduled: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineOutput]:
         """Give the step's sampled tokens to their requests and report what changed."""
         outputs = []
-        now = time.monotonic()
+        now = self.clock()
         sampled = iter(zip(result.sampled_token_ids, result.logprobs, strict=True))
         for request, chunk in zip(scheduled.requests, scheduled.chunks, strict=True):
             if not chunk.samples:
@@ -146,6 +163,7 @@ class Scheduler:
                 continue
             request.num_pending_tokens -= 1
             request.append_output_token(token_id)
+            request.last_token_time_s = now
             if first := request.num_output_tokens == 1:
                 request.first_token_time_s = now
             if logprobs is not None:

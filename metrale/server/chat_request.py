@@ -169,7 +169,7 @@ def plan_generation(
         thinking_tokens = thinking_tokens or state.config.scheduler.max_seq_len
     if (budget := thinking_budget(state, thinking_tokens, prompt_text)) is not None:
         params = dataclasses.replace(params, thinking=budget)
-    prompt = prepare(state, request_id, prompt_ids, params, body.n)
+    prompt = prepare(state, request_id, prompt_ids, params, body.n, body.priority)
     parsers = [
         output_parser(state, body, prompt_text, request_id, max_tool_calls) for _ in range(body.n)
     ]

@@ -85,9 +85,20 @@ class PreparedPrompt:
 
 
 def prepare(
-    state: ServerState, request_id: str, prompt_token_ids: list[int], params: SamplingParams, n: int
+    state: ServerState,
+    request_id: str,
+    prompt_token_ids: list[int],
+    params: SamplingParams,
+    n: int,
+    priority: int = 0,
 ) -> PreparedPrompt:
     """Validate before anything is queued or streamed; failures are 400s."""
+    if priority != 0 and state.config.scheduler.policy != "priority":
+        raise APIError(
+            f"priority={priority}: this server schedules {state.config.scheduler.policy}; "
+            "start it with --scheduler priority to serve requests by priority",
+            param="priority",
+        )
     max_seq_len = state.config.scheduler.max_seq_len
     num_prompt = len(prompt_token_ids)
     if params.max_tokens is not None and num_prompt + params.max_tokens > max_seq_len:
@@ -107,7 +118,7 @@ def prepare(
         if n > 1 and params.seed is not None:
             seed = (params.seed + i - INT64_MIN) % 2**64 + INT64_MIN  # stays an int64
             child_params = dataclasses.replace(params, seed=seed)
-        child = EngineRequest(f"{request_id}-{i}", prompt_token_ids, child_params, now)
+        child = EngineRequest(f"{request_id}-{i}", prompt_token_ids, child_params, now, priority)
         try:
             validate_request(state.config, child)
         except ValueError as e:

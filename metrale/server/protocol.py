@@ -150,6 +150,7 @@ class SamplingFields(_Body):
     ignore_eos: bool = False
     min_tokens: Annotated[int, Field(ge=0)] = 0
     skip_special_tokens: bool = True
+    priority: int = 0  # vLLM's: lower is served first, under --scheduler priority
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None

@@ -63,7 +63,9 @@ async def create_completion(request: Request) -> Any:
     texts, prompts = [], []
     for i, (text, token_ids) in enumerate(split_prompts(state, body.prompt, body.echo)):
         texts.append(text)
-        prompts.append(prepare(state, f"{request_id}-{i}", token_ids, params, body.n))
+        prompts.append(
+            prepare(state, f"{request_id}-{i}", token_ids, params, body.n, body.priority)
+        )
     model = state.settings.served_model_name
     admission = admit(request, state, prompts)
     if body.stream:

@@ -1,0 +1,91 @@
+"""What a scheduling policy decides, asked by the scheduler each step: in which order waiting
+requests are admitted, whether new prompts are admitted this step at all, and which running
+request gives up its blocks when the KV pool runs dry.
+
+- `fifo` (the default): arrival order; the newest running request is preempted.
+- `priority`: the lowest `priority` value first, then arrival (vLLM's `priority` field and
+  policy); the victim is the running request of the highest value, the newest among equals.
+- `slai`: deadline-aware. No new prompt is admitted while a running request has waited 80% of
+  the time-between-tokens deadline since its last token; the queue is admitted front first (so
+  nothing starves), then shortest remaining prompt first; victims as fifo.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Iterable
+from typing import ClassVar
+
+from metrale.engine.request import Request
+
+POLICIES = ("fifo", "priority", "slai")
+SLAI_WAIT_SHARE = 0.8  # of the deadline: a running request this close to missing it blocks prompts
+
+
+class SchedulingPolicy:
+    """fifo: arrival order, newest running request preempted first."""
+
+    name: ClassVar[str] = "fifo"
+
+    def admission_order(self, waiting: Iterable[Request], limit: int) -> list[Request]:
+        """At most `limit` waiting requests, in the order to try admitting them (the scheduler
+        stops at the first that does not fit)."""
+        return list(itertools.islice(waiting, limit))
+
+    def may_admit(self, running: list[Request], now_s: float) -> bool:
+        """Whether new prompts may be admitted this step."""
+        return True
+
+    def victim(self, candidates: list[Request]) -> Request:
+        """The request to preempt among `candidates` (running, in admission order)."""
+        return candidates[-1]
+
+
+class PriorityPolicy(SchedulingPolicy):
+    name: ClassVar[str] = "priority"
+
+    def admission_order(self, waiting: Iterable[Request], limit: int) -> list[Request]:
+        return heapq.nsmallest(limit, waiting, key=lambda r: (r.priority, r.arrival_time_s))
+
+    def victim(self, candidates: list[Request]) -> Request:
+        # max() keeps the first of equals: walk newest first so the newest of the lowest wins
+        return max(reversed(candidates), key=lambda r: (r.priority, r.arrival_time_s))
+
+
+class SlaiPolicy(SchedulingPolicy):
+    name: ClassVar[str] = "slai"
+
+    def __init__(self, tbt_deadline_s: float) -> None:
+        if not tbt_deadline_s > 0:
+            raise ValueError(f"tbt_deadline_ms must be > 0, got {tbt_deadline_s * 1e3:g}")
+        self.tbt_deadline_s = tbt_deadline_s
+
+    def admission_order(self, waiting: Iterable[Request], limit: int) -> list[Request]:
+        it = iter(waiting)
+        front = next(it, None)
+        if front is None or limit < 1:
+            return []
+        rest = heapq.nsmallest(
+            limit - 1, it, key=lambda r: (r.num_tokens - r.num_computed_tokens, r.arrival_time_s)
+        )
+        return [front, *rest]
+
+    def may_admit(self, running: list[Request], now_s: float) -> bool:
+        bound = SLAI_WAIT_SHARE * self.tbt_deadline_s
+        return not any(
+            r.last_token_time_s is not None and now_s - r.last_token_time_s >= bound
+            for r in running
+        )
+
+
+def make_policy(name: str, tbt_deadline_ms: float | None = None) -> SchedulingPolicy:
+    if name == "fifo":
+        return SchedulingPolicy()
+    if name == "priority":
+        return PriorityPolicy()
+    if name == "slai":
+        if tbt_deadline_ms is None:
+            raise ValueError("--scheduler slai needs --tbt-deadline-ms (time between tokens)")
+        return SlaiPolicy(tbt_deadline_ms / 1e3)
+    raise ValueError(f"--scheduler {name!r}: use one of {', '.join(POLICIES)}")
