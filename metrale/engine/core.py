@@ -99,6 +99,7 @@ class EngineCore:
                 eos_token_ids=self.config.eos_token_ids,
                 arrival_time_s=request.arrival_time_s,
                 priority=request.priority,
+                deadline_s=request.deadline_s,
             )
         )
 
@@ -119,7 +120,7 @@ class EngineCore:
     def step(self) -> list[EngineOutput]:
         """Launch the next step; return the tokens of the one before it (async) or of it."""
         start = time.perf_counter()
-        outputs: list[EngineOutput] = []
+        outputs: list[EngineOutput] = self.scheduler.expire()
         if self._in_flight and self.scheduler.needs_pending_tokens():
             collected = [self._collect(outputs)]
         else:

@@ -39,6 +39,7 @@ class EngineRequest(msgspec.Struct, frozen=True):
     sampling_params: SamplingParams
     arrival_time_s: float
     priority: int = 0  # lower first, under --scheduler priority
+    deadline_s: float | None = None  # time.monotonic() past which the engine aborts it
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):

@@ -36,6 +36,7 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     arrival_time_s: float = field(default_factory=time.monotonic)
     priority: int = 0  # the priority policy serves lower values first
+    deadline_s: float | None = None  # aborted at the first step past it (kept when preempted)
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

@@ -18,6 +18,7 @@ request stopped, what the step after computed for it is dropped.
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections import deque
 from collections.abc import Callable
@@ -56,12 +57,26 @@ class Scheduler:
         # Requests whose steps are decided on the host from their tokens so far (a grammar,
         # penalties, a thinking budget): the few that can make async scheduling wait.
         self._host_decided: dict[str, Request] = {}
+        self._deadlines: list[tuple[float, str]] = []  # a heap of (deadline_s, request_id)
 
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
         self.requests[request.request_id] = request
         if request.is_host_decided:
             self._host_decided[request.request_id] = request
+        if request.deadline_s is not None:
+            heapq.heappush(self._deadlines, (request.deadline_s, request.request_id))
+
+    def expire(self) -> list[EngineOutput]:
+        """Abort every request past its deadline (`--request-timeout`, enforced here too, so a
+        request ends even when the API process that would cancel it is stuck)."""
+        outputs = []
+        now = self.clock()
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, request_id = heapq.heappop(self._deadlines)
+            if (output := self.abort_request(request_id)) is not None:
+                outputs.append(output)
+        return outputs
 
     def needs_pending_tokens(self) -> bool:
         """Whether the next step can only be scheduled once the steps in flight are back."""

@@ -84,6 +84,11 @@ class PreparedPrompt:
     children: list[EngineRequest]
 
 
+# --request-timeout is the API's to answer (an error in the API's shape); the engine enforces it
+# too, this much later, so a request's compute ends even when the API process cannot end it.
+ENGINE_DEADLINE_GRACE_S = 1.0
+
+
 def prepare(
     state: ServerState,
     request_id: str,
@@ -112,13 +117,17 @@ def prepare(
     # TTFT and E2E latency count parsing, templating and tokenizing as its client does.
     record = access_log.current_record()
     now = record.start_s if record is not None else time.monotonic()
+    timeout_s = state.settings.request_timeout_s
+    deadline_s = None if timeout_s is None else now + timeout_s + ENGINE_DEADLINE_GRACE_S
     children = []
     for i in range(n):
         child_params = params
         if n > 1 and params.seed is not None:
             seed = (params.seed + i - INT64_MIN) % 2**64 + INT64_MIN  # stays an int64
             child_params = dataclasses.replace(params, seed=seed)
-        child = EngineRequest(f"{request_id}-{i}", prompt_token_ids, child_params, now, priority)
+        child = EngineRequest(
+            f"{request_id}-{i}", prompt_token_ids, child_params, now, priority, deadline_s
+        )
         try:
             validate_request(state.config, child)
         except ValueError as e:

@@ -152,3 +152,38 @@ def test_every_policy_finishes_every_request_with_its_tokens_under_preemption(po
 def test_bad_policies_are_config_errors(policy, deadline, problem):
     with pytest.raises(ValueError, match=problem):
         make(policy, deadline=deadline)
+
+
+def test_a_request_past_its_deadline_is_aborted_at_the_next_step_even_after_preemption():
+    """The engine's own --request-timeout: the deadline travels with the request through a
+    preemption and ends it wherever it is (running or waiting), its blocks freed."""
+    s, clock = make(num_blocks=6)
+    timed = req("timed", prompt_len=8, max_tokens=8, arrival=2.0)
+    timed.deadline_s = clock.now + 1.0
+    for r in (req("a", 8, 8, arrival=0.0), req("b", 8, 8, arrival=1.0), timed):
+        s.add_request(r)
+    assert sorted(admitted(s)) == ["a", "b", "timed"]
+    out = s.schedule()  # the pool is full: the newest, "timed", is preempted
+    s.update(out, FakeRunner().execute(out))
+    assert s.preempted_ids == ["timed"] and s.expire() == []  # not yet due
+    clock.now += 1.0  # exactly at its deadline, waiting to be recomputed
+    (expired,) = s.expire()
+    assert expired.request_id == "timed" and expired.finish_reason.value == "abort"
+    assert "timed" not in s.requests and s.expire() == []
+    outputs, _, _ = run_to_completion(s)
+    assert set(outputs) == {"a", "b"}
+    assert s.kv_cache.pool.num_free_blocks == s.kv_cache.pool.num_blocks
+
+
+def test_a_running_request_past_its_deadline_is_aborted_and_its_blocks_freed():
+    s, clock = make()
+    late = req("late", max_tokens=50)
+    late.deadline_s = clock.now + 0.25
+    s.add_request(late)
+    s.add_request(req("other", max_tokens=4))
+    assert sorted(admitted(s)) == ["late", "other"]
+    clock.now += 0.25
+    assert [o.request_id for o in s.expire()] == ["late"]
+    outputs, _, _ = run_to_completion(s)
+    assert list(outputs) == ["other"]
+    assert s.kv_cache.pool.num_free_blocks == s.kv_cache.pool.num_blocks
