@@ -85,8 +85,12 @@ class SamplingParams:
     kept_special_token_ids: tuple[int, ...] = ()
     thinking: ThinkingBudget | None = None
     structured: StructuredOutput | None = None
+    # the content-loop watchdog: end the output once one block of it repeats this many times
+    # (engine/watchdog.py); 0: off
+    content_loop_min_repeats: int = 0
 
     MAX_LOGPROBS = 20
+    MAX_LOOP_REPEATS = 1000
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
@@ -117,6 +121,14 @@ class SamplingParams:
                     {token_id: bias},
                     "keys must be token ids >= 0 and values in [-100, 100]",
                 )
+        if self.content_loop_min_repeats and not (
+            2 <= self.content_loop_min_repeats <= self.MAX_LOOP_REPEATS
+        ):
+            _fail(
+                "content_loop_min_repeats",
+                self.content_loop_min_repeats,
+                f"must be in [2, {self.MAX_LOOP_REPEATS}] (0 turns the watchdog off)",
+            )
         if any(not s for s in self.stop):
             _fail("stop", list(self.stop), "stop strings must be non-empty")
         if self.max_tokens is not None and self.max_tokens < 1:

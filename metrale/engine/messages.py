@@ -69,6 +69,7 @@ class EngineOutput(msgspec.Struct, frozen=True, array_like=True):
     finish_reason: FinishReason | None
     num_cached_tokens: int
     timing: RequestTiming | None = None  # on a request's first output, and on an abort's
+    stop_reason: str | None = None  # a watchdog's name when one ended it (engine/watchdog.py)
 
     @property
     def finished(self) -> bool:

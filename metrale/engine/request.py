@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 
 from metrale.engine.messages import FinishReason, RequestTiming, TokenLogprobs
+from metrale.engine.watchdog import LoopDetector
 from metrale.sampling_params import SamplingParams
 
 
@@ -58,6 +59,10 @@ class Request:
         # Thinking-budget state; it follows from the tokens, so it survives preemption as is.
         self.inside_thinking = thinking is not None and thinking.starts_inside
         self.num_thinking_tokens = 0
+        # The content-loop watchdog's state; it too follows from the output tokens alone.
+        repeats = self.sampling_params.content_loop_min_repeats
+        self.loop_detector = LoopDetector(repeats) if repeats else None
+        self.stop_reason: str | None = None  # why the engine stopped it, beyond its finish reason
 
     @property
     def timing(self) -> RequestTiming:

@@ -24,6 +24,7 @@ from collections import deque
 from collections.abc import Callable
 
 from metrale.config import SchedulerConfig
+from metrale.engine import watchdog
 from metrale.engine.kv_cache_manager import KVCacheManager
 from metrale.engine.messages import EngineOutput, FinishReason
 from metrale.engine.request import Request, RequestStatus
@@ -195,6 +196,7 @@ class Scheduler:
                     request.num_cached_prompt_tokens,
                     # the engine's milestones are all known once it has its first token
                     request.timing if first else None,
+                    request.stop_reason,
                 )
             )
         return outputs
@@ -267,10 +269,14 @@ class Scheduler:
 
     def _check_stop(self, request: Request, token_id: int) -> FinishReason | None:
         params = request.sampling_params
+        looping = request.loop_detector is not None and request.loop_detector.push(token_id)
         # The token just sampled is output number `num_output_tokens`; stops count past min_tokens.
         if request.num_output_tokens > params.min_tokens:
             is_eos = not params.ignore_eos and token_id in request.eos_token_ids
             if is_eos or token_id in params.stop_token_ids:
+                return FinishReason.STOP
+            if looping:
+                request.stop_reason = watchdog.STOP_REASON
                 return FinishReason.STOP
         if self._reaches_length(request, 0):
             return FinishReason.LENGTH

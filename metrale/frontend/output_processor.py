@@ -24,6 +24,7 @@ class CompletionDelta:
     logprobs: list[PositionLogprobs] | None
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # the stop string or stop token that ended it
+    watchdog: str | None = None  # the engine watchdog that ended it (engine/watchdog.py)
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     # True when the frontend ended the request (a stop string): the engine must drop it too.
@@ -89,7 +90,9 @@ class OutputProcessor:
         elif engine_finished:
             delta.finish_reason = out.finish_reason.value  # type: ignore[union-attr]
             last = out.new_token_ids[-1] if out.new_token_ids else None
-            if last in state.params.stop_token_ids:
+            if out.stop_reason is not None:  # a watchdog ended it
+                delta.stop_reason = delta.watchdog = out.stop_reason
+            elif last in state.params.stop_token_ids:
                 delta.stop_reason = last
         if delta.finished:
             del self._states[out.request_id]

@@ -48,6 +48,10 @@ logger = logging.getLogger(__name__)
 FLAGS = "flags"
 
 
+# flags whose name is not the [behavior] key's
+_FLAG_NAMES = {"enable_loop_watchdog": "--content-loop-watchdog"}
+
+
 @dataclass(frozen=True)
 class Source:
     """One place choices come from; `label` is what the startup log says."""
@@ -56,7 +60,9 @@ class Source:
     behavior: Behavior
 
     def label_for(self, field: str) -> str:
-        return "--" + field.replace("_", "-") if self.label == FLAGS else self.label
+        if self.label != FLAGS:
+            return self.label
+        return _FLAG_NAMES.get(field) or "--" + field.replace("_", "-")
 
 
 @dataclass(frozen=True)
@@ -69,6 +75,8 @@ class BehaviorChoice:
     tool_call_parser_source: str
     reasoning_parser_source: str
     max_thinking_budget_source: str
+    loop_watchdog: bool = False  # the content-loop watchdog on unless a request turns it off
+    loop_watchdog_source: str = "default"
 
     def describe(self) -> str:
         budget = "none" if self.max_thinking_budget is None else f"{self.max_thinking_budget}"
@@ -76,7 +84,9 @@ class BehaviorChoice:
             f"tool-call parser {self.tool_call_parser or NONE} ({self.tool_call_parser_source}); "
             f"reasoning parser {self.reasoning_parser or NONE} "
             f"({self.reasoning_parser_source}); "
-            f"max thinking budget {budget} ({self.max_thinking_budget_source})"
+            f"max thinking budget {budget} ({self.max_thinking_budget_source}); "
+            f"content-loop watchdog {'on' if self.loop_watchdog else 'off'} "
+            f"({self.loop_watchdog_source})"
         )
 
 
@@ -136,6 +146,7 @@ def choose_behavior(sources: Sequence[Source], chat_template: str) -> BehaviorCh
                 steering_from,
             )
         budget, budget_from = None, f"thinking_steering = false in {steering_from}"
+    watchdog, watchdog_from = _first(sources, "enable_loop_watchdog")
     return BehaviorChoice(
         None if tool in (None, NONE) else tool,
         None if reasoning in (None, NONE) else reasoning,
@@ -143,6 +154,8 @@ def choose_behavior(sources: Sequence[Source], chat_template: str) -> BehaviorCh
         tool_from,
         reasoning_from,
         budget_from,
+        bool(watchdog),
+        watchdog_from,
     )
 
 

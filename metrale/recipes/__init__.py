@@ -12,6 +12,7 @@ A recipe is a TOML file with two tables:
     reasoning_parser = "qwen3"     # a reasoning format or "none"
     max_thinking_budget = 8192     # tokens, when `--max-thinking-budget` is not given
     thinking_steering = true       # false: only a budget the request states is enforced
+    enable_loop_watchdog = true    # end a generation that loops (`--content-loop-watchdog`)
 
 Recipes come from three places, consulted in this order (the first that makes a choice wins):
 
@@ -72,6 +73,7 @@ class Behavior:
     reasoning_parser: str | None = None  # a registered format or "none"
     max_thinking_budget: int | None = None  # tokens
     thinking_steering: bool | None = None  # False: no budget the request did not ask for
+    enable_loop_watchdog: bool | None = None  # the content-loop watchdog on by default
 
 
 @dataclass(frozen=True)
@@ -133,7 +135,7 @@ def behavior_value_problem(key: str, value: object) -> str | None:
     elif key == "max_thinking_budget":
         if type(value) is not int or value < 0:
             return "is not a token count: use an integer >= 0"
-    elif key == "thinking_steering" and not isinstance(value, bool):
+    elif key in ("thinking_steering", "enable_loop_watchdog") and not isinstance(value, bool):
         return "is not a boolean: use true or false"
     return None
 

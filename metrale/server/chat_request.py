@@ -157,7 +157,10 @@ def plan_generation(
         state.check_structured_output(structured)
     try:
         params = body.sampling_params(
-            max_tokens, logprobs, state.config.generation.sampling_overrides()
+            max_tokens,
+            logprobs,
+            state.config.generation.sampling_overrides(),
+            state.settings.loop_watchdog,
         )
     except ValueError as e:
         raise APIError(str(e)) from None

@@ -18,6 +18,7 @@ from pydantic import (
     model_validator,
 )
 
+from metrale.engine.watchdog import DEFAULT_MIN_REPEATS
 from metrale.sampling_params import SamplingParams
 
 TokenIds = list[Annotated[int, Field(ge=0)]]
@@ -151,6 +152,9 @@ class SamplingFields(_Body):
     min_tokens: Annotated[int, Field(ge=0)] = 0
     skip_special_tokens: bool = True
     priority: int = 0  # vLLM's: lower is served first, under --scheduler priority
+    # the content-loop watchdog for this request (default: the server's --content-loop-watchdog)
+    content_loop_watchdog: bool | None = None
+    content_loop_min_repeats: Annotated[int, Field(ge=2, le=1000)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -172,9 +176,18 @@ class SamplingFields(_Body):
         return self
 
     def sampling_params(
-        self, max_tokens: int | None, logprobs: int | None, defaults: dict[str, Any]
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        defaults: dict[str, Any],
+        loop_watchdog: tuple[bool, int] = (False, DEFAULT_MIN_REPEATS),
     ) -> SamplingParams:
-        """The engine's parameters; the checkpoint's defaults fill what the request left out."""
+        """The engine's parameters; the checkpoint's defaults fill what the request left out,
+        the server's content-loop watchdog (on, repeats) what it did not say of the watchdog."""
+        watchdog_on = (
+            loop_watchdog[0] if self.content_loop_watchdog is None else self.content_loop_watchdog
+        )
+        repeats = self.content_loop_min_repeats or loop_watchdog[1]
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         logit_bias = None
         if self.logit_bias:
@@ -205,6 +218,7 @@ class SamplingFields(_Body):
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            content_loop_min_repeats=repeats if watchdog_on else 0,
         )
 
 

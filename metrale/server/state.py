@@ -7,10 +7,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from metrale.engine.watchdog import DEFAULT_MIN_REPEATS
 from metrale.engine_args import EngineConfig
 from metrale.frontend.async_llm import AsyncLLM
 from metrale.runner.structured_output import StructuredOutputs
-from metrale.sampling_params import StructuredOutput
+from metrale.sampling_params import SamplingParams, StructuredOutput
 from metrale.server.errors import APIError, model_not_found
 from metrale.server.security.config import SecurityConfig
 from metrale.server.security.guard import Guard
@@ -27,6 +28,21 @@ class ServerSettings:
     reasoning_parser: str | None = None  # None: thinking stays in the content
     reasoning_field: str = "reasoning_content"  # reasoning_content | reasoning | both
     max_thinking_budget: int | None = None  # tokens; None: think as long as the model likes
+    content_loop_watchdog: bool = False  # on for requests that do not say
+    content_loop_min_repeats: int = DEFAULT_MIN_REPEATS
+
+    def __post_init__(self) -> None:
+        if not 2 <= self.content_loop_min_repeats <= SamplingParams.MAX_LOOP_REPEATS:
+            raise ValueError(
+                f"--content-loop-min-repeats {self.content_loop_min_repeats}: must be in "
+                f"[2, {SamplingParams.MAX_LOOP_REPEATS}]"
+            )
+
+    @property
+    def loop_watchdog(self) -> tuple[bool, int]:
+        """What a request that does not mention the watchdog gets: (on, repeats)."""
+        return self.content_loop_watchdog, self.content_loop_min_repeats
+
     disable_thinking: bool = False
     access_log: bool = True  # a log line per request (metrale.access)
 

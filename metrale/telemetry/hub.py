@@ -105,6 +105,8 @@ class Telemetry:
                 live.last_token_s = now
                 generated += num_tokens
             if delta.finish_reason is not None:
+                if delta.watchdog is not None and self.metrics is not None:
+                    self.metrics.child(self.metrics.watchdog_fires, delta.watchdog).inc()
                 self._finish(live, delta.finish_reason, now)
         self._generated_tokens += generated
         for last, count in gaps.items():

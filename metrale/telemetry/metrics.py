@@ -99,6 +99,9 @@ class Metrics:
         )
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished prefills")
         self.generation_tokens = counter("generation_tokens", "Generated tokens")
+        self.watchdog_fires = counter(
+            "watchdog_fires", "Generations a watchdog ended, by watchdog", ("watchdog",)
+        )
         self.request_success = counter(
             "request_success", "Finished requests, by why they finished", ("finished_reason",)
         )

@@ -200,8 +200,19 @@ def test_nothing_found_means_no_parser(tmp_path):
     assert choice.tool_call_parser is None
     assert choice.describe() == (
         "tool-call parser none (no format in the chat template); reasoning parser none "
-        "(default); max thinking budget none (default)"
+        "(default); max thinking budget none (default); content-loop watchdog off (default)"
     )
+
+
+def test_a_recipe_turns_the_loop_watchdog_on_and_the_flag_wins(tmp_path):
+    model_dir = make_checkpoint(tmp_path, "my_model", "[behavior]\nenable_loop_watchdog = true\n")
+    choice = choose(model_dir, None, "{{ messages }}")
+    assert choice.loop_watchdog and "MODEL.toml" in choice.loop_watchdog_source
+    off = choose(model_dir, None, "{{ messages }}", Behavior(enable_loop_watchdog=False))
+    assert not off.loop_watchdog and off.loop_watchdog_source == "--content-loop-watchdog"
+    bad = make_checkpoint(tmp_path / "b", "my_model", '[behavior]\nenable_loop_watchdog = "yes"\n')
+    with pytest.raises(ValueError, match=r"enable_loop_watchdog.*not a boolean"):
+        choose(bad, None, "{{ messages }}")
 
 
 def test_auto_in_model_toml_reads_the_template_and_none_stops_the_search(tmp_path):
@@ -221,7 +232,7 @@ def test_the_log_line_says_where_each_choice_came_from(tmp_path):
     assert choice.describe() == (
         "tool-call parser hermes (recipe qwen3 (metrale/recipes/qwen3.toml)); reasoning parser "
         "qwen3 (recipe qwen3 (metrale/recipes/qwen3.toml)); "
-        "max thinking budget 64 (--max-thinking-budget)"
+        "max thinking budget 64 (--max-thinking-budget); content-loop watchdog off (default)"
     )
 
 

@@ -21,6 +21,7 @@ import msgspec
 import uvicorn
 
 from metrale.engine.messages import ForwardInfo
+from metrale.engine.watchdog import DEFAULT_MIN_REPEATS, MIN_SPAN
 from metrale.engine_args import EngineArgs
 from metrale.entrypoints.cli import Subcommand, register
 from metrale.server.security.config import SecurityConfig
@@ -107,6 +108,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="close a thinking block by forcing </think> once it has this many tokens "
         "(requests can ask for less with reasoning_effort; default: the checkpoint's MODEL.toml "
         "or recipe [behavior].max_thinking_budget, else none)",
+    )
+    g.add_argument(
+        "--content-loop-watchdog",
+        choices=["on", "off"],
+        help="end a generation whose last tokens repeat one block --content-loop-min-repeats "
+        "times (finish_reason stop, stop_reason content_loop); requests may override it with "
+        "content_loop_watchdog (default: the checkpoint's MODEL.toml or recipe "
+        "[behavior].enable_loop_watchdog, else off)",
+    )
+    g.add_argument(
+        "--content-loop-min-repeats",
+        type=int,
+        default=DEFAULT_MIN_REPEATS,
+        metavar="N",
+        help=f"copies of a block that make a loop (a short block must also cover "
+        f"{MIN_SPAN} tokens; default {DEFAULT_MIN_REPEATS})",
     )
     g.add_argument(
         "--disable-thinking",
@@ -261,7 +278,14 @@ async def _start_and_serve(
         model_cls = model_class_for(config.model.architecture)
         # Read and check the flags, MODEL.toml and recipes now, before the weights load.
         sources = behavior_sources(
-            Behavior(args.tool_call_parser, args.reasoning_parser, args.max_thinking_budget),
+            Behavior(
+                args.tool_call_parser,
+                args.reasoning_parser,
+                args.max_thinking_budget,
+                enable_loop_watchdog=None
+                if args.content_loop_watchdog is None
+                else args.content_loop_watchdog == "on",
+            ),
             model_dir,
             Checkpoint(
                 demo.repo_id() if config.is_demo else repo_id_of(config.model_name, model_dir),
@@ -322,6 +346,8 @@ async def _start_and_serve(
                 reasoning_parser=behavior.reasoning_parser,
                 reasoning_field=args.reasoning_field,
                 max_thinking_budget=behavior.max_thinking_budget,
+                content_loop_watchdog=behavior.loop_watchdog,
+                content_loop_min_repeats=args.content_loop_min_repeats,
                 disable_thinking=args.disable_thinking,
                 access_log=not args.no_access_log,
             )
@@ -439,6 +465,7 @@ def _effective_config(
             "tool_call_parser": behavior.tool_call_parser_source,
             "reasoning_parser": behavior.reasoning_parser_source,
             "max_thinking_budget": behavior.max_thinking_budget_source,
+            "content_loop_watchdog": behavior.loop_watchdog_source,
         },
         "response_store": args.response_store,
         "security": security.describe(),  # how many API keys, never the keys

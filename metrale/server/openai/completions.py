@@ -55,7 +55,10 @@ async def create_completion(request: Request) -> Any:
     state.check_alive()
     try:
         params = body.sampling_params(
-            body.max_tokens, body.logprobs, state.config.generation.sampling_overrides()
+            body.max_tokens,
+            body.logprobs,
+            state.config.generation.sampling_overrides(),
+            state.settings.loop_watchdog,
         )
     except ValueError as e:
         raise APIError(str(e)) from None

@@ -1,0 +1,86 @@
+"""The content-loop watchdog end to end: a scripted checkpoint whose reply says one sentence
+nine times; with the watchdog on, the reply ends once the sentence has looped, as `stop` with
+`stop_reason` content_loop, and `/metrics` counts it; a request can turn it off or on."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tests.scripted_checkpoint import ScriptedCheckpoint, build_scripted_checkpoint
+from tests.server.conftest import MODEL_NAME, RunningServer, serving
+
+KEYWORD = " harmonic"
+SENTENCE = "I will check it now. "  # 6 tokens; after the first copy it starts with " I"
+REPLY = SENTENCE * 9 + "Done."
+# Period 6 needs max(4, ceil(32 / 6)) = 6 copies: 36 tokens whose every token equals the one 6
+# before it. The first copy's first token ("I", not " I") starts no such run, so the run starts
+# at the first copy's second token and the 37th output token completes the loop.
+LOOP_ENDS_AT = 37
+
+
+@pytest.fixture(scope="module")
+def scripted(tmp_path_factory: pytest.TempPathFactory) -> ScriptedCheckpoint:
+    return build_scripted_checkpoint(tmp_path_factory.mktemp("looping"), {KEYWORD: REPLY})
+
+
+@pytest.fixture(scope="module")
+def watched(scripted, tmp_path_factory) -> Iterator[RunningServer]:
+    log_path = tmp_path_factory.mktemp("serve-watchdog") / "server.log"
+    with serving(scripted.path, log_path, "--content-loop-watchdog", "on") as running:
+        yield running
+
+
+def chat(server: RunningServer, **extra) -> dict:
+    body = {
+        "model": MODEL_NAME,
+        "messages": [{"role": "user", "content": f"Check it{KEYWORD}"}],
+        "max_tokens": 200,
+        **extra,
+    }
+    response = httpx.post(server.api_url + "/chat/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def fires(server: RunningServer) -> float:
+    text = httpx.get(server.base_url + "/metrics", timeout=10).text
+    line = next((x for x in text.splitlines() if x.startswith("metrale:watchdog_fires_total{")), "")
+    return float(line.rsplit(" ", 1)[1]) if line else 0.0
+
+
+def test_a_looping_reply_ends_with_the_watchdogs_stop_reason(watched, scripted):
+    before = fires(watched)
+    reply = chat(watched)
+    (choice,) = reply["choices"]
+    assert choice["finish_reason"] == "stop" and choice["stop_reason"] == "content_loop"
+    assert reply["usage"]["completion_tokens"] == LOOP_ENDS_AT
+    assert REPLY.startswith(choice["message"]["content"])
+    assert fires(watched) == before + 1
+    config = httpx.get(watched.base_url + "/serve-config").json()
+    assert config["behavior_sources"]["content_loop_watchdog"] == "--content-loop-watchdog"
+
+
+def test_a_request_may_turn_the_watchdog_off_or_ask_for_more_repeats(watched, scripted):
+    whole = chat(watched, content_loop_watchdog=False)
+    (choice,) = whole["choices"]
+    assert choice["message"]["content"] == REPLY and choice["stop_reason"] is None
+    # eight copies asked for: 48 tokens of period 6 from the first copy's second token
+    later = chat(watched, content_loop_min_repeats=8)
+    assert later["usage"]["completion_tokens"] == 1 + 48
+    assert later["choices"][0]["stop_reason"] == "content_loop"
+
+
+def test_the_watchdog_is_off_by_default_and_a_request_can_turn_it_on(scripted, tmp_path):
+    with serving(scripted.path, tmp_path / "server.log") as plain:
+        assert chat(plain)["choices"][0]["message"]["content"] == REPLY
+        on = chat(plain, content_loop_watchdog=True)
+        assert on["usage"]["completion_tokens"] == LOOP_ENDS_AT
+        bad = httpx.post(
+            plain.api_url + "/chat/completions",
+            json={"model": MODEL_NAME, "messages": [], "content_loop_min_repeats": 1},
+            timeout=30,
+        )
+        assert bad.status_code == 400
