@@ -25,6 +25,8 @@ from metrale.telemetry.metrics import REJECTION_REASONS, Metrics
 
 logger = logging.getLogger("metrale.access")
 
+COMPACTED_HEADER = b"x-metrale-compacted"  # on a response whose prompt --auto-compact shortened
+
 _APIS = {
     "/v1/chat/completions": "chat",
     "/v1/completions": "completions",
@@ -53,6 +55,7 @@ class RequestRecord:
     generated_tokens: int = 0
     first_token_s: float | None = None
     finish_reasons: dict[str, int] = field(default_factory=dict)  # per choice
+    compaction: Any = None  # the server.compaction.Compaction of its prompt, if compacted
 
     @property
     def api(self) -> str:
@@ -113,6 +116,9 @@ class AccessLogMiddleware:
         async def recording_send(message: Message) -> None:
             if message["type"] == "http.response.start":
                 record.status = message["status"]
+                if record.compaction is not None:  # the prompt was shortened: say how
+                    steps = ",".join(record.compaction.steps).encode()
+                    message["headers"] = [*message.get("headers", []), (COMPACTED_HEADER, steps)]
             await send(message)
 
         token = _current.set(record)

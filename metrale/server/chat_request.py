@@ -22,6 +22,7 @@ from metrale.frontend.reasoning import (
 )
 from metrale.frontend.tool_parsers import make_tool_parser, tool_parser_class, tool_specs
 from metrale.sampling_params import SamplingParams, StructuredOutput, ThinkingBudget
+from metrale.server import compaction
 from metrale.server.errors import APIError
 from metrale.server.generation import PreparedPrompt, prepare
 from metrale.server.protocol import ChatCompletionRequest, ChatMessage
@@ -96,18 +97,67 @@ def build_prompt(state: ServerState, body: ChatCompletionRequest) -> tuple[str, 
     agents (Claude Code, Codex) send such turns, and a refusal would leave them stuck."""
     messages = render_messages(body.messages)
     try:
-        text = _render(state, body, messages)
+        text = _render_folding(state, body, messages)
     except ChatTemplateError as e:
+        raise APIError(
+            f"the chat template could not render these messages: {e}", param="messages"
+        ) from None
+    ids = state.tokenizer.encode(text, add_special_tokens=False)
+    # the prompt must leave room for the output asked for, or one token
+    limit = state.config.scheduler.max_seq_len - (
+        body.max_completion_tokens or body.max_tokens or 1
+    )
+    if state.settings.auto_compact and len(ids) > limit:
+        return _compacted(state, body, messages, len(ids), limit)
+    return text, ids
+
+
+def _render_folding(
+    state: ServerState, body: ChatCompletionRequest, messages: list[dict[str, Any]]
+) -> str:
+    """The prompt's text; a template that refuses later system turns gets them folded."""
+    try:
+        return _render(state, body, messages)
+    except ChatTemplateError:
         folded = fold_system_messages(messages)
+        if folded is None:
+            raise
+        return _render(state, body, folded)
+
+
+def _compacted(
+    state: ServerState,
+    body: ChatCompletionRequest,
+    messages: list[dict[str, Any]],
+    num_tokens: int,
+    limit: int,
+) -> tuple[str, list[int]]:
+    """The prompt of `messages` shortened by --auto-compact until it is at most `limit` tokens;
+    the request's record keeps what was done (the header, `usage.compacted`)."""
+
+    def encoded(candidate: list[dict[str, Any]]) -> tuple[str, list[int]]:
+        text = _render_folding(state, body, candidate)
+        return text, state.tokenizer.encode(text, add_special_tokens=False)
+
+    def fits(candidate: list[dict[str, Any]]) -> bool:
         try:
-            if folded is None:
-                raise
-            text = _render(state, body, folded)
+            return len(encoded(candidate)[1]) <= limit
         except ChatTemplateError:
-            raise APIError(
-                f"the chat template could not render these messages: {e}", param="messages"
-            ) from None
-    return text, state.tokenizer.encode(text, add_special_tokens=False)
+            return False  # a shape the template refuses: try the next step
+
+    try:
+        shorter, steps = compaction.compact(messages, fits)
+    except ValueError as e:
+        raise APIError(
+            f"the prompt is {num_tokens} tokens, over the {limit} this request leaves for it, "
+            f"and --auto-compact could not shorten it enough: {e}",
+            param="messages",
+        ) from None
+    text, ids = encoded(shorter)
+    compaction.record(
+        compaction.Compaction(tuple(steps), num_tokens, len(ids), len(messages), len(shorter))
+    )
+    return text, ids
 
 
 def _render(state: ServerState, body: ChatCompletionRequest, messages: list[dict[str, Any]]) -> str:

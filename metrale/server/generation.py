@@ -26,7 +26,7 @@ from metrale.frontend.async_llm import RequestRejectedError
 from metrale.frontend.output_processor import CompletionDelta
 from metrale.outputs import PositionLogprobs
 from metrale.sampling_params import SamplingParams
-from metrale.server import access_log
+from metrale.server import access_log, compaction
 from metrale.server.errors import INT64_MIN, APIError
 from metrale.server.security.guard import CLIENT_SCOPE_KEY, Admission
 from metrale.server.state import ServerState
@@ -72,6 +72,7 @@ class Usage:
             "total_tokens": self.prompt_tokens + self.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
             "completion_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
+            **compaction.usage_field(),
         }
 
 

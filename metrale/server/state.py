@@ -44,6 +44,7 @@ class ServerSettings:
         return self.content_loop_watchdog, self.content_loop_min_repeats
 
     disable_thinking: bool = False
+    auto_compact: bool = False  # shorten a conversation too long for the context (compaction.py)
     access_log: bool = True  # a log line per request (metrale.access)
 
 

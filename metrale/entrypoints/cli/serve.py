@@ -126,6 +126,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"{MIN_SPAN} tokens; default {DEFAULT_MIN_REPEATS})",
     )
     g.add_argument(
+        "--auto-compact",
+        action="store_true",
+        help="shorten a chat, messages or responses conversation too long for --max-seq-len "
+        "(tool results truncated, then omitted, then the oldest turns dropped, then the system "
+        "prompt trimmed, then only the last turn kept) instead of refusing it with a 400; the "
+        "x-metrale-compacted header and usage.compacted say so",
+    )
+    g.add_argument(
         "--disable-thinking",
         action="store_true",
         help="render every prompt with enable_thinking=false (a kill switch)",
@@ -349,6 +357,7 @@ async def _start_and_serve(
                 content_loop_watchdog=behavior.loop_watchdog,
                 content_loop_min_repeats=args.content_loop_min_repeats,
                 disable_thinking=args.disable_thinking,
+                auto_compact=args.auto_compact,
                 access_log=not args.no_access_log,
             )
             state = ServerState(

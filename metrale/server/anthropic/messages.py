@@ -32,7 +32,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from metrale.frontend.chat_output import ChatOutputParser
 from metrale.frontend.output_processor import CompletionDelta
-from metrale.server import sse
+from metrale.server import compaction, sse
 from metrale.server.anthropic.blocks import ReplyBlocks
 from metrale.server.anthropic.errors import error_body
 from metrale.server.anthropic.protocol import CountTokensRequest, MessagesRequest
@@ -151,6 +151,7 @@ class _Reply:
             "cache_creation_input_tokens": 0,
             "cache_read_input_tokens": cached,
             "output_tokens": self.usage.completion_tokens,
+            **compaction.usage_field(),
         }
 
     def message(self) -> dict[str, Any]:

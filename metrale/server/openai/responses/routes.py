@@ -28,7 +28,7 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from metrale.server import sse
+from metrale.server import compaction, sse
 from metrale.server.chat_request import build_prompt, plan_generation, report_output
 from metrale.server.errors import APIError, parse_body
 from metrale.server.generation import admit, engine_error, stream_deltas, until_disconnected
@@ -115,6 +115,7 @@ def _plan(state: ServerState, run: ResponseRun, items: list[Any]) -> None:
         max_tool_calls=run.body.max_tool_calls,
     )
     run.usage.prompt_tokens = len(prompt_ids)
+    run.compacted = compaction.usage_field()  # read now: a background run outlives the POST
 
 
 def _render(

@@ -54,6 +54,7 @@ class ResponseRun:
             encrypted=ENCRYPTED_REASONING in (body.include or []),
         )
         self.usage = Usage(prompt_tokens=len(prompt.prompt_token_ids) if prompt else 0)
+        self.compacted: dict[str, Any] = {}  # usage.compacted, once the prompt is planned
         self.created_at = int(time.time())
         self.completed_at: int | None = None
         self.status = "queued" if body.background else "in_progress"
@@ -171,6 +172,7 @@ class ResponseRun:
                 "output_tokens": usage.completion_tokens,
                 "output_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
                 "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+                **self.compacted,
             },
             "user": body.user,
             "metadata": body.metadata or {},
