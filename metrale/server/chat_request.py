@@ -91,7 +91,9 @@ def thinking_budget(
     )
 
 
-def build_prompt(state: ServerState, body: ChatCompletionRequest) -> tuple[str, list[int]]:
+def build_prompt(
+    state: ServerState, body: ChatCompletionRequest, *, compact: bool = True
+) -> tuple[str, list[int]]:
     """The prompt's text and tokens. A template that refuses system turns past the first (Qwen3.5's
     "System message must be at the beginning.") gets them folded into the first one instead:
     agents (Claude Code, Codex) send such turns, and a refusal would leave them stuck."""
@@ -107,7 +109,7 @@ def build_prompt(state: ServerState, body: ChatCompletionRequest) -> tuple[str, 
     limit = state.config.scheduler.max_seq_len - (
         body.max_completion_tokens or body.max_tokens or 1
     )
-    if state.settings.auto_compact and len(ids) > limit:
+    if compact and state.settings.auto_compact and len(ids) > limit:
         return _compacted(state, body, messages, len(ids), limit)
     return text, ids
 

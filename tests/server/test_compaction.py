@@ -156,6 +156,8 @@ def test_a_compacting_server_answers_every_api_and_says_so(qwen3_dir, tmp_path):
         assert message.status_code == 200, message.text
         assert "truncate_tool_results" in message.headers["x-metrale-compacted"]
         assert message.json()["usage"]["compacted"]["messages_before"] >= 5
+        counted = httpx.post(url + "/count_tokens", json=messages_body(), headers=headers)
+        assert counted.json()["input_tokens"] > 512  # the conversation as sent
 
         stream = chat_body() | {"stream": True, "stream_options": {"include_usage": True}}
         with httpx.stream("POST", server.api_url + "/chat/completions", json=stream) as r:

@@ -106,7 +106,8 @@ async def count_tokens(request: Request) -> Any:
     state: ServerState = request.app.state.server
     body = await parse_body(request, CountTokensRequest)
     state.check_model(body.model)
-    _, prompt_ids = build_prompt(state, chat_request(body))
+    # the conversation as sent, never compacted: a client counts to decide when to compact
+    _, prompt_ids = build_prompt(state, chat_request(body), compact=False)
     return JSONResponse({"input_tokens": len(prompt_ids)})
 
 
