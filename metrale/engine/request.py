@@ -62,6 +62,7 @@ class Request:
         # The content-loop watchdog's state; it too follows from the output tokens alone.
         repeats = self.sampling_params.content_loop_min_repeats
         self.loop_detector = LoopDetector(repeats) if repeats else None
+        self.closing_thinking = False  # the watchdog saw the thinking loop: </think> is forced
         self.stop_reason: str | None = None  # why the engine stopped it, beyond its finish reason
 
     @property
@@ -97,7 +98,7 @@ class Request:
         if not self.inside_thinking:
             self.inside_thinking = token_id == thinking.start_token_id
         elif token_id == thinking.end_token_id:
-            self.inside_thinking = False
+            self.inside_thinking = self.closing_thinking = False
         else:
             self.num_thinking_tokens += 1
 
@@ -131,14 +132,25 @@ class Request:
         return (
             thinking is not None
             and self.inside_thinking
-            and self.num_thinking_tokens + self.num_pending_tokens >= thinking.max_tokens
+            and (
+                self.closing_thinking
+                or self.num_thinking_tokens + self.num_pending_tokens >= thinking.max_tokens
+            )
         )
 
     @property
     def thinking_budget_spent(self) -> bool:
+        """Whether the next token must close the thinking block: its budget is spent, or the
+        watchdog saw it loop."""
         thinking = self.sampling_params.thinking
         return (
             thinking is not None
             and self.inside_thinking
-            and self.num_thinking_tokens >= thinking.max_tokens
+            and (self.closing_thinking or self.num_thinking_tokens >= thinking.max_tokens)
         )
+
+    def close_looping_thinking(self) -> None:
+        """The thinking watchdog: close the block at the next token, and watch the answer
+        afresh (the loop was the thinking's)."""
+        self.closing_thinking = True
+        self.loop_detector = LoopDetector(self.sampling_params.content_loop_min_repeats)

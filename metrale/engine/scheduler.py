@@ -59,6 +59,7 @@ class Scheduler:
         # penalties, a thinking budget): the few that can make async scheduling wait.
         self._host_decided: dict[str, Request] = {}
         self._deadlines: list[tuple[float, str]] = []  # a heap of (deadline_s, request_id)
+        self.num_thinking_loops_closed = 0  # thinking blocks the watchdog closed
 
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
@@ -270,6 +271,10 @@ class Scheduler:
     def _check_stop(self, request: Request, token_id: int) -> FinishReason | None:
         params = request.sampling_params
         looping = request.loop_detector is not None and request.loop_detector.push(token_id)
+        if looping and request.inside_thinking:  # the thinking watchdog: close it, go on
+            request.close_looping_thinking()
+            self.num_thinking_loops_closed += 1
+            looping = False
         # The token just sampled is output number `num_output_tokens`; stops count past min_tokens.
         if request.num_output_tokens > params.min_tokens:
             is_eos = not params.ignore_eos and token_id in request.eos_token_ids

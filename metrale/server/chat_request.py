@@ -222,6 +222,9 @@ def plan_generation(
     if structured is not None:
         params = dataclasses.replace(params, structured=structured)
         thinking_tokens = thinking_tokens or state.config.scheduler.max_seq_len
+    if params.content_loop_min_repeats and thinking_tokens is None:
+        # the engine tracks the thinking block, for the watchdog to close one that loops
+        thinking_tokens = state.config.scheduler.max_seq_len
     if (budget := thinking_budget(state, thinking_tokens, prompt_text)) is not None:
         params = dataclasses.replace(params, thinking=budget)
     prompt = prepare(state, request_id, prompt_ids, params, body.n, body.priority)

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from metrale.engine.messages import FinishReason
 from metrale.engine.watchdog import MAX_PERIOD, MIN_SPAN, STOP_REASON, LoopDetector
-from metrale.sampling_params import SamplingParams
+from metrale.sampling_params import SamplingParams, ThinkingBudget
 from tests.engine.fake_runner import FakeRunner
 from tests.engine.test_scheduler import make_scheduler, request
 
@@ -101,3 +101,44 @@ def test_a_looping_request_stops_with_the_watchdogs_reason(repeats, min_tokens, 
     assert reasons["loop"] is FinishReason.STOP and stop_reasons["loop"] == STOP_REASON
     assert len(outputs["calm"]) == 200 and reasons["calm"] is FinishReason.LENGTH
     assert stop_reasons["calm"] is None
+
+
+class ThinkingLoopRunner(FakeRunner):
+    """Opens a thinking block (50), then writes 5, 6, 7, 8 over and over; a forced token is
+    what it samples, as the real sampler does."""
+
+    def collect(self, scheduled):
+        out = super().collect(scheduled)
+        chunks = [c for c in scheduled.chunks if c.samples]
+        starts = {r.request_id: r.num_prompt_tokens for r in scheduled.requests}
+        out.sampled_token_ids[:] = [
+            c.forced_token_id
+            if c.forced_token_id is not None
+            else (
+                50 if (n := c.start_pos + c.num_tokens - starts[c.request_id]) == 0 else 5 + n % 4
+            )
+            for c in chunks
+        ]
+        return out
+
+
+def test_a_looping_thinking_block_is_closed_and_the_answer_watched_afresh():
+    """Inside a thinking block the watchdog forces its end instead of ending the generation;
+    the answer that follows gets a fresh detector, so it takes a whole span more to stop."""
+    s = make_scheduler()
+    thinking = ThinkingBudget(max_tokens=1000, start_token_id=50, end_token_id=51)
+    s.add_request(
+        request("t", prompt_len=6, max_tokens=300, content_loop_min_repeats=4, thinking=thinking)
+    )
+    runner = ThinkingLoopRunner()
+    tokens, reasons = [], []
+    while s.num_unfinished_requests:
+        scheduled = s.schedule()
+        for out in s.update(scheduled, runner.execute(scheduled)):
+            tokens += out.new_token_ids
+            reasons.append(out.stop_reason)
+    # 50, then 32 tokens of the loop (8 blocks of 4): the 33rd output is the forced </think>
+    assert tokens[0] == 50 and 51 not in tokens[:33] and tokens[33] == 51
+    assert s.num_thinking_loops_closed == 1
+    # after it the loop resumes and the content watchdog ends it 32 tokens on
+    assert len(tokens) == 34 + 32 and reasons[-1] == STOP_REASON

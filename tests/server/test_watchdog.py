@@ -21,22 +21,28 @@ REPLY = SENTENCE * 9 + "Done."
 LOOP_ENDS_AT = 37
 
 
+THINKING_KEYWORD = " median"
+THINKING_REPLY = "<think>\n" + SENTENCE * 9 + "</think>\n\nDone."
+
+
 @pytest.fixture(scope="module")
 def scripted(tmp_path_factory: pytest.TempPathFactory) -> ScriptedCheckpoint:
-    return build_scripted_checkpoint(tmp_path_factory.mktemp("looping"), {KEYWORD: REPLY})
+    replies = {KEYWORD: REPLY, THINKING_KEYWORD: THINKING_REPLY}
+    return build_scripted_checkpoint(tmp_path_factory.mktemp("looping"), replies)
 
 
 @pytest.fixture(scope="module")
 def watched(scripted, tmp_path_factory) -> Iterator[RunningServer]:
     log_path = tmp_path_factory.mktemp("serve-watchdog") / "server.log"
-    with serving(scripted.path, log_path, "--content-loop-watchdog", "on") as running:
+    args = ("--content-loop-watchdog", "on", "--reasoning-parser", "qwen3")
+    with serving(scripted.path, log_path, *args) as running:
         yield running
 
 
-def chat(server: RunningServer, **extra) -> dict:
+def chat(server: RunningServer, keyword: str = KEYWORD, **extra) -> dict:
     body = {
         "model": MODEL_NAME,
-        "messages": [{"role": "user", "content": f"Check it{KEYWORD}"}],
+        "messages": [{"role": "user", "content": f"Check it{keyword}"}],
         "max_tokens": 200,
         **extra,
     }
@@ -84,3 +90,13 @@ def test_the_watchdog_is_off_by_default_and_a_request_can_turn_it_on(scripted, t
             timeout=30,
         )
         assert bad.status_code == 400
+
+
+def test_a_looping_thinking_block_is_closed_not_the_reply(watched):
+    """In a thinking block the watchdog forces </think> (the scripted model, past its script,
+    then ends the turn): the reasoning is cut where it looped and the reply was not stopped."""
+    reply = chat(watched, THINKING_KEYWORD)
+    (choice,) = reply["choices"]
+    reasoning = choice["message"]["reasoning_content"]
+    assert SENTENCE * 5 in reasoning and SENTENCE * 9 not in reasoning
+    assert choice["stop_reason"] != "content_loop"
