@@ -118,6 +118,7 @@ class StepStats(msgspec.Struct, frozen=True, array_like=True):
     device_s: float | None  # None: not measured (a GPU step that samples nothing)
     cuda_graph: bool  # run as one CUDA graph replay
     preempted: list[str]  # requests preempted while scheduling it
+    thinking_loops_closed: int = 0  # thinking blocks the watchdog closed since the last stats
 
 
 class CPUThreads(msgspec.Struct, frozen=True):

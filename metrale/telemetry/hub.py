@@ -213,6 +213,9 @@ class Telemetry:
                     metrics.child(metrics.engine_step_seconds, "device").observe(step.device_s)
                 if step.cuda_graph:
                     metrics.cuda_graph_replays.inc()
+                if step.thinking_loops_closed:
+                    fires = metrics.child(metrics.watchdog_fires, "thinking_loop")
+                    fires.inc(step.thinking_loops_closed)
         self._summary.steps += len(batch.steps)
         if not self.bus.has_subscribers:
             return

@@ -51,10 +51,12 @@ def chat(server: RunningServer, keyword: str = KEYWORD, **extra) -> dict:
     return response.json()
 
 
-def fires(server: RunningServer) -> float:
+def fires(server: RunningServer, watchdog: str = "content_loop") -> float:
     text = httpx.get(server.base_url + "/metrics", timeout=10).text
-    line = next((x for x in text.splitlines() if x.startswith("metrale:watchdog_fires_total{")), "")
-    return float(line.rsplit(" ", 1)[1]) if line else 0.0
+    for line in text.splitlines():
+        if line.startswith("metrale:watchdog_fires_total{") and f'watchdog="{watchdog}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
 
 
 def test_a_looping_reply_ends_with_the_watchdogs_stop_reason(watched, scripted):
@@ -95,8 +97,10 @@ def test_the_watchdog_is_off_by_default_and_a_request_can_turn_it_on(scripted, t
 def test_a_looping_thinking_block_is_closed_not_the_reply(watched):
     """In a thinking block the watchdog forces </think> (the scripted model, past its script,
     then ends the turn): the reasoning is cut where it looped and the reply was not stopped."""
+    before = fires(watched, "thinking_loop")
     reply = chat(watched, THINKING_KEYWORD)
     (choice,) = reply["choices"]
     reasoning = choice["message"]["reasoning_content"]
     assert SENTENCE * 5 in reasoning and SENTENCE * 9 not in reasoning
     assert choice["stop_reason"] != "content_loop"
+    assert fires(watched, "thinking_loop") == before + 1
