@@ -104,6 +104,12 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         scheduled: list[Request] = []
         preempted = False
+        now = self.clock()
+        # The policy may hold every prefill back this step (slai, while a decode nears its
+        # deadline): new prompts are not admitted, and prompts being prefilled wait a step.
+        prefills = self.policy.may_admit(self.running, now)
+        if not prefills:
+            prefill_budget = 0
 
         i = 0
         while i < len(self.running) and len(chunks) < self.config.max_batch_size:
@@ -130,12 +136,11 @@ class Scheduler:
                     prefill_budget -= num_new
                 i += 1
 
-        now = self.clock()
         room = min(
             self.config.max_batch_size - len(chunks), self.config.max_num_seqs - len(self.running)
         )
         candidates: list[Request] = []
-        if self.waiting and not preempted and room > 0 and self.policy.may_admit(self.running, now):
+        if self.waiting and not preempted and room > 0 and prefills:
             candidates = self.policy.admission_order(self.waiting, room)
         for request in candidates:
             cached_prefix = self.kv_cache.find_cached_prefix(request)

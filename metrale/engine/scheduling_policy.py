@@ -5,9 +5,12 @@ request gives up its blocks when the KV pool runs dry.
 - `fifo` (the default): arrival order; the newest running request is preempted.
 - `priority`: the lowest `priority` value first, then arrival (vLLM's `priority` field and
   policy); the victim is the running request of the highest value, the newest among equals.
-- `slai`: deadline-aware. No new prompt is admitted while a running request has waited 80% of
-  the time-between-tokens deadline since its last token; the queue is admitted front first (so
-  nothing starves), then shortest remaining prompt first; victims as fifo.
+- `slai`: deadline-aware. No prefill runs while a running request has waited 80% of the
+  time-between-tokens deadline since its last token (no new prompt is admitted, and a prompt
+  being prefilled in chunks waits a step), so decodes catch up first; the queue is admitted
+  front first (so nothing starves), then shortest remaining prompt first; victims as fifo.
+  It bounds how often a decode is late, not by how much: a step that prefills a chunk is as
+  long as the chunk makes it (`--max-prefill-tokens` bounds that).
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ class SchedulingPolicy:
         return list(itertools.islice(waiting, limit))
 
     def may_admit(self, running: list[Request], now_s: float) -> bool:
-        """Whether new prompts may be admitted this step."""
+        """Whether prefills may run this step (new prompts, and the chunks of those being
+        prefilled)."""
         return True
 
     def victim(self, candidates: list[Request]) -> Request:

@@ -187,3 +187,20 @@ def test_a_running_request_past_its_deadline_is_aborted_and_its_blocks_freed():
     outputs, _, _ = run_to_completion(s)
     assert list(outputs) == ["other"]
     assert s.kv_cache.pool.num_free_blocks == s.kv_cache.pool.num_blocks
+
+
+def test_slai_also_holds_the_next_chunk_of_a_prompt_being_prefilled():
+    s, clock = make("slai", deadline=100, max_prefill_tokens=16)
+    s.add_request(req("decoding", prompt_len=8, max_tokens=50))
+    assert admitted(s) == ["decoding"]
+    s.add_request(req("long", prompt_len=64))
+    assert admitted(s) == ["long"]  # its first 16-token chunk, beside the decode
+    clock.now += 0.09375  # the decode's token is 93.75 ms old: over 80% of the deadline
+    out = s.schedule()
+    assert [
+        (r.request_id, c.num_tokens) for r, c in zip(out.requests, out.chunks, strict=True)
+    ] == [("decoding", 1)]
+    s.update(out, FakeRunner().execute(out))
+    out = s.schedule()  # the decode just got its token: the prefill goes on
+    assert sorted(r.request_id for r in out.requests) == ["decoding", "long"]
+    s.update(out, FakeRunner().execute(out))
