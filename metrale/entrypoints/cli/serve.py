@@ -70,7 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--served-model-name",
         help="the model name clients use (default: MODEL as given, or metrale-demo)",
     )
-    g.add_argument("--bind", default="127.0.0.1", help="address to listen on")
+    g.add_argument("--bind", "--host", default="127.0.0.1", help="address to listen on")
     g.add_argument("--port", type=int, default=8000, help="port to listen on")
     g.add_argument(
         "--request-timeout",
