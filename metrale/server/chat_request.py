@@ -105,26 +105,30 @@ def build_prompt(
             f"the chat template could not render these messages: {e}", param="messages"
         ) from None
     ids = state.tokenizer.encode(text, add_special_tokens=False)
-    # the prompt must leave room for the output asked for, or one token
-    limit = state.config.scheduler.max_seq_len - (
-        body.max_completion_tokens or body.max_tokens or 1
-    )
-    if compact and state.settings.auto_compact and len(ids) > limit:
-        return _compacted(state, body, messages, len(ids), limit)
+    if compact and state.settings.auto_compact:
+        # the prompt must leave room for the output asked for, or one token
+        wanted = body.max_completion_tokens or body.max_tokens or 1
+        limit = state.config.scheduler.max_seq_len - wanted
+        if len(ids) > limit:
+            return _compacted(state, body, messages, len(ids), limit)
     return text, ids
 
 
 def _render_folding(
     state: ServerState, body: ChatCompletionRequest, messages: list[dict[str, Any]]
 ) -> str:
-    """The prompt's text; a template that refuses later system turns gets them folded."""
+    """The prompt's text; a template that refuses later system turns gets them folded (and
+    when that fails too, the first refusal is the one reported)."""
     try:
         return _render(state, body, messages)
-    except ChatTemplateError:
+    except ChatTemplateError as first:
         folded = fold_system_messages(messages)
         if folded is None:
             raise
-        return _render(state, body, folded)
+        try:
+            return _render(state, body, folded)
+        except ChatTemplateError:
+            raise first from None
 
 
 def _compacted(
