@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import platform
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -48,12 +49,17 @@ def describe() -> dict[str, Any]:
     }
 
 
-def cpu_model() -> str:
+def cpuinfo() -> dict[str, str]:
+    """The first processor's fields in /proc/cpuinfo ("model name", "flags", ...); empty where
+    there is no such file."""
     try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+        first = Path("/proc/cpuinfo").read_text().split("\n\n")[0]
     except OSError:
-        pass
-    return platform.processor() or platform.machine()
+        return {}
+    return {
+        k.strip(): v.strip() for k, _, v in (line.partition(":") for line in first.splitlines())
+    }
+
+
+def cpu_model() -> str:
+    return cpuinfo().get("model name") or platform.processor() or platform.machine()

@@ -41,7 +41,6 @@ class EngineCore:
         # Each step's figures, until the engine loop ships them (bounded for callers that never
         # take them, like the offline LLM).
         self.step_stats: deque[StepStats] = deque(maxlen=4096)
-        self._thinking_loops_reported = 0  # of scheduler.num_thinking_loops_closed, in stats
 
     @classmethod
     def from_config(cls, config: EngineConfig, progress: bool = True) -> EngineCore:
@@ -152,8 +151,10 @@ class EngineCore:
         if not collected:
             return
         preempted, self.scheduler.preempted_ids = self.scheduler.preempted_ids, []
-        closed = self.scheduler.num_thinking_loops_closed - self._thinking_loops_reported
-        self._thinking_loops_reported += closed
+        closed, self.scheduler.num_thinking_loops_closed = (
+            self.scheduler.num_thinking_loops_closed,
+            0,
+        )
         for i, (scheduled, result) in enumerate(collected):
             last = i == len(collected) - 1
             self.step_stats.append(

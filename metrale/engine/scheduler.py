@@ -59,7 +59,7 @@ class Scheduler:
         # penalties, a thinking budget): the few that can make async scheduling wait.
         self._host_decided: dict[str, Request] = {}
         self._deadlines: list[tuple[float, str]] = []  # a heap of (deadline_s, request_id)
-        self.num_thinking_loops_closed = 0  # thinking blocks the watchdog closed
+        self.num_thinking_loops_closed = 0  # by the watchdog, since the caller last took them
 
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)

@@ -140,16 +140,18 @@ def _compacted(
 ) -> tuple[str, list[int]]:
     """The prompt of `messages` shortened by --auto-compact until it is at most `limit` tokens;
     the request's record keeps what was done (the header, `usage.compacted`)."""
-
-    def encoded(candidate: list[dict[str, Any]]) -> tuple[str, list[int]]:
-        text = _render_folding(state, body, candidate)
-        return text, state.tokenizer.encode(text, add_special_tokens=False)
+    fitted: dict[int, tuple[str, list[int]]] = {}  # by id() of a candidate that fits
 
     def fits(candidate: list[dict[str, Any]]) -> bool:
         try:
-            return len(encoded(candidate)[1]) <= limit
+            text = _render_folding(state, body, candidate)
         except ChatTemplateError:
             return False  # a shape the template refuses: try the next step
+        ids = state.tokenizer.encode(text, add_special_tokens=False)
+        if len(ids) > limit:
+            return False
+        fitted[id(candidate)] = text, ids
+        return True
 
     try:
         shorter, steps = compaction.compact(messages, fits)
@@ -159,7 +161,7 @@ def _compacted(
             f"and --auto-compact could not shorten it enough: {e}",
             param="messages",
         ) from None
-    text, ids = encoded(shorter)
+    text, ids = fitted[id(shorter)]  # compact returns the very list that fitted
     compaction.record(
         compaction.Compaction(tuple(steps), num_tokens, len(ids), len(messages), len(shorter))
     )

@@ -53,41 +53,43 @@ class Compaction:
 
 
 def compact(messages: Messages, fits: Callable[[Messages], bool]) -> tuple[Messages, list[str]]:
-    """The first of the ever shorter versions of `messages` that fits, and the steps taken to
-    it; ValueError if not even the last step's does."""
+    """The first of the ever shorter versions of `messages` that fits (the very list `fits`
+    accepted), and the steps taken to it; ValueError if not even the last step's does."""
     head, original, tail = _split(messages)
     steps: list[str] = []
 
-    def attempt(name: str, candidate: Messages) -> bool:
+    def attempt(name: str, candidate: Messages) -> Messages | None:
         steps.append(name)
-        return fits(candidate)
+        return candidate if fits(candidate) else None
 
     middle = [_truncated(m) for m in original]
-    if attempt("truncate_tool_results", head + middle + tail):
-        return head + middle + tail, steps
+    if (done := attempt("truncate_tool_results", head + middle + tail)) is not None:
+        return done, steps
     middle = [_omitted(m) for m in original]
-    if attempt("omit_tool_results", head + middle + tail):
-        return head + middle + tail, steps
+    if (done := attempt("omit_tool_results", head + middle + tail)) is not None:
+        return done, steps
     groups = _turns(middle)
     if len(groups) > 1:
         steps.append("drop_oldest_turns")
         # the fewest of the oldest turns to drop (fitting only gets easier with more dropped),
         # keeping the latest middle turn: the last step drops that too
+        fitted = None
         low, high = 1, len(groups)
         while low < high:
             mid = (low + high) // 2
-            if fits(head + _flatten(groups[mid:]) + tail):
-                high = mid
+            candidate = head + _flatten(groups[mid:]) + tail
+            if fits(candidate):
+                high, fitted = mid, candidate
             else:
                 low = mid + 1
-        middle = _flatten(groups[low:] if low < len(groups) else groups[-1:])
-        if low < len(groups):
-            return head + middle + tail, steps
+        if fitted is not None:
+            return fitted, steps
+        middle = _flatten(groups[-1:])
     head = [_trimmed_system(m) for m in head]
-    if attempt("trim_system", head + middle + tail):
-        return head + middle + tail, steps
-    if attempt("last_messages", head + tail):
-        return head + tail, steps
+    if (done := attempt("trim_system", head + middle + tail)) is not None:
+        return done, steps
+    if (done := attempt("last_messages", head + tail)) is not None:
+        return done, steps
     raise ValueError("even the system prompt's head and the last user turn alone do not fit")
 
 

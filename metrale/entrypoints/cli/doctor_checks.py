@@ -26,7 +26,6 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-CPUINFO_PATH = Path("/proc/cpuinfo")
 MEMINFO_PATH = Path("/proc/meminfo")
 NVIDIA_DRIVER_PATH = Path("/proc/driver/nvidia/version")
 # The flags that decide which CPU kernels run fast: AVX2 for any vectorised product, AVX-512
@@ -161,11 +160,9 @@ def _cuda_driver_api() -> str | None:
 def _cpu() -> Cpu:
     import torch
 
-    first_processor = safely(CPUINFO_PATH.read_text, "").split("\n\n")[0]
-    fields = {
-        key.strip(): value.strip()
-        for key, _, value in (line.partition(":") for line in first_processor.splitlines())
-    }
+    from metrale.hardware import cpuinfo
+
+    fields = cpuinfo()
     flags = set(fields.get("flags", "").split())
     meminfo = safely(lambda: meminfo_bytes(MEMINFO_PATH.read_text()), {})
     return Cpu(
