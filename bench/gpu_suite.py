@@ -6,7 +6,8 @@ roofline of B1 from them; and transformers `generate` on the same requests as th
 (B3: the first 256 of them, as many as its dynamic cache holds; B5: the 0%-shared workload).
 Results go to $OUT (or bench/results) as JSON with git SHA, device and versions.
 
-    python bench/gpu_suite.py b1 b2 b5 [--scheduler-config sync|async] [--kv-cache-dtype auto|fp8]
+    python bench/gpu_suite.py b1 b2 b3 b3_swap b5 [--scheduler-config sync|async]
+        [--kv-cache-dtype auto|fp8]
         [--b2-models qwen3_0.6b llama_8b] [--max-cuda-graph-batch N] [--no-transformers]
         [--out DIR]
 
@@ -28,6 +29,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
 import torch
 from hf_reference import left_padded
 
@@ -39,6 +41,8 @@ from metrale.sampling_params import SamplingParams
 ROOT = Path(__file__).resolve().parent
 # Engine flags every benchmark shares, set from the command line.
 ENGINE_FLAGS = {"scheduler_config": "async", "kv_cache_dtype": "auto"}
+# B3's host pool with swap: more than the ~170k tokens (21 GiB of bf16 KV) the device lacks.
+B3_SWAP_SPACE_GB = 48
 # Off with --no-transformers: a quick re-measure of our side only (the record needs them).
 RUN_TRANSFORMERS = True
 
@@ -538,7 +542,7 @@ def b2(results: dict, models: tuple[str, ...] = tuple(B2_MODELS)) -> None:
         add_hf_reference(results[f"b2_{name}"], config, prompts, lens_out)
 
 
-def b3_engine_and_prompts() -> tuple[EngineCore, list[list[int]]]:
+def b3_engine_and_prompts(**kwargs) -> tuple[EngineCore, list[list[int]]]:
     """B3's engine (8B shape, 512 requests at once, 16k-token prefill chunks) and its 1000
     prompts of 1000 tokens (seed 0)."""
     core = engine(
@@ -547,6 +551,7 @@ def b3_engine_and_prompts() -> tuple[EngineCore, list[list[int]]]:
         max_num_seqs=512,
         max_prefill_tokens=16384,
         gpu_memory_utilization=0.9,
+        **kwargs,
     )
     g = torch.Generator().manual_seed(0)
     return core, [torch.randint(0, 10000, (1000,), generator=g).tolist() for _ in range(1000)]
@@ -566,6 +571,37 @@ def b3(results: dict) -> None:
     print(f"B3 llama_8b: {tokens / seconds:.0f} output tok/s ({tokens} in {seconds:.1f} s)")
     release(core)
     add_hf_reference(results["b3_llama_8b"], LLAMA_8B, prompts[:HF_BATCH], [1000] * HF_BATCH)
+
+
+def b3_swap(results: dict) -> None:
+    """B3 with preempted requests swapped to host memory (`--swap-space-gb`, the costs measured
+    at startup choosing per victim) against recompute only, in the same call."""
+    params = [SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)] * 1000
+    for name, flags in (
+        ("recompute", {}),
+        ("swap", {"swap_space_gb": B3_SWAP_SPACE_GB}),
+    ):
+        core, prompts = b3_engine_and_prompts(**flags)
+        run(core, prompts[:8], [SamplingParams(max_tokens=8)] * 8)
+        scheduler = core.scheduler
+        before = scheduler.num_preemptions, scheduler.num_recomputed_tokens
+        seconds, tokens = run(core, prompts, params)
+        entry = {
+            "output_tokens_per_s": tokens / seconds,
+            "seconds": seconds,
+            "output_tokens": tokens,
+            "preemptions": scheduler.num_preemptions - before[0],
+            "recomputed_tokens": scheduler.num_recomputed_tokens - before[1],
+        }
+        if scheduler.swap is not None:
+            entry["swap"] = msgspec.structs.asdict(scheduler.swap.stats())
+        results[f"b3_{name}"] = entry
+        print(
+            f"B3 {name}: {entry['output_tokens_per_s']:.0f} output tok/s ({tokens} in "
+            f"{seconds:.1f} s), {entry['preemptions']} preemptions, "
+            f"{entry['recomputed_tokens']} tokens recomputed, swap {entry.get('swap')}"
+        )
+        release(core)
 
 
 def b5_workload(shared: float, seed: int) -> list[list[int]]:
@@ -648,7 +684,7 @@ def main() -> None:
     parser.add_argument(
         "benchmarks",
         nargs="+",
-        choices=["b1", "b2", "b3", "b5", "profile", "profile_b3", "profile_b5"],
+        choices=["b1", "b2", "b3", "b3_swap", "b5", "profile", "profile_b3", "profile_b5"],
     )
     parser.add_argument("--scheduler-config", choices=["sync", "async"], default="async")
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")

@@ -358,10 +358,14 @@ class CacheConfig:
     enable_prefix_caching: bool
     dtype: torch.dtype  # of the stored keys and values: the model's, or an fp8 format
     gpu_memory_utilization: float = 0.9
+    num_host_blocks: int = 0  # the swap space (`--swap-space-gb`): host blocks for preemption
 
     @staticmethod
     def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
         return 2 * model.num_layers * block_size * model.kv_size * dtype.itemsize
+
+
+PREEMPTION_MODES = ("auto", "swap", "recompute")
 
 
 @dataclass(frozen=True)
@@ -380,11 +384,18 @@ class SchedulerConfig:
     max_seq_len: int
     policy: str = "fifo"  # scheduling_policy.POLICIES
     tbt_deadline_ms: float | None = None  # slai's time-between-tokens deadline
+    # How a preempted request gives up its blocks, with a swap space: auto (swap when the copies
+    # are cheaper than recomputing), swap (whenever the host pool has room), recompute.
+    preemption_mode: str = "auto"
 
     def __post_init__(self) -> None:
         from metrale.engine.scheduling_policy import make_policy
 
         make_policy(self.policy, self.tbt_deadline_ms)  # a bad policy or deadline fails here
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(
+                f"preemption_mode={self.preemption_mode!r} is not one of {PREEMPTION_MODES}"
+            )
         for name in ("max_num_seqs", "max_batch_size", "max_prefill_tokens", "max_seq_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} is out of range: must be >= 1")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,7 @@ import torch
 from metrale.checkpoint.resolve import resolve_model_dir
 from metrale.config import (
     KV_CACHE_DTYPE_NAMES,
+    PREEMPTION_MODES,
     CacheConfig,
     ModelConfig,
     SchedulerConfig,
@@ -119,6 +121,8 @@ class EngineArgs:
     kv_cache_memory: str = "1GiB"
     num_kv_blocks: int | None = None
     kv_cache_dtype: str = "auto"
+    swap_space_gb: float = 0.0
+    preemption_mode: str = "auto"
     enable_prefix_caching: bool = True
     chat_template: str | None = None
     attention_backend: str = "auto"
@@ -275,6 +279,24 @@ class EngineArgs:
             "the memory and bytes read per step of bf16, values saturated, no scales",
         )
         g.add_argument(
+            "--swap-space-gb",
+            "--swap-space",
+            type=float,
+            default=d.swap_space_gb,
+            metavar="GIB",
+            help="host memory (GiB; pinned next to a GPU) that preempted requests' KV blocks are "
+            "copied to and back from, instead of recomputing their tokens, where the copy is "
+            "the cheaper (both measured at startup). Default 0: always recompute",
+        )
+        g.add_argument(
+            "--preemption-mode",
+            default=d.preemption_mode,
+            choices=list(PREEMPTION_MODES),
+            help="with --swap-space-gb, how a preempted request gives up its KV blocks: auto "
+            "(swapped when the copies cost less than recomputing its tokens), swap (whenever "
+            "the swap space has room), recompute",
+        )
+        g.add_argument(
             "--no-prefix-caching",
             dest="enable_prefix_caching",
             action="store_false",
@@ -342,6 +364,7 @@ class EngineArgs:
             max_seq_len=max_seq_len,
             policy=self.scheduler,
             tbt_deadline_ms=self.tbt_deadline_ms,
+            preemption_mode=self.preemption_mode,
         )
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
@@ -352,12 +375,16 @@ class EngineArgs:
         if num_blocks is None and device.type != "cuda":
             budget = parse_bytes(self.kv_cache_memory)
             num_blocks = _num_blocks_for(budget, model_config, self.block_size, kv_cache_dtype)
+        if not (math.isfinite(self.swap_space_gb) and self.swap_space_gb >= 0):
+            raise ValueError(f"swap_space_gb={self.swap_space_gb} is out of range: must be >= 0")
+        per_block = CacheConfig.bytes_per_block(model_config, self.block_size, kv_cache_dtype)
         cache = CacheConfig(
             block_size=self.block_size,
             num_blocks=num_blocks,
             enable_prefix_caching=self.enable_prefix_caching,
             dtype=kv_cache_dtype,
             gpu_memory_utilization=self.gpu_memory_utilization,
+            num_host_blocks=int(self.swap_space_gb * 2**30 // per_block),
         )
         return EngineConfig(
             model_dir=model_dir,

@@ -23,6 +23,7 @@ from metrale.engine.messages import EngineOutput, EngineRequest, StepStats
 from metrale.engine.request import Request
 from metrale.engine.scheduler import Scheduler
 from metrale.engine.step import ModelRunnerOutput, SchedulerOutput
+from metrale.engine.swap_space import SwapCosts, SwapSpace
 from metrale.engine_args import EngineConfig
 from metrale.runner.gpu_memory import kv_blocks_for_gpu
 from metrale.runner.model_loader import load_model
@@ -30,6 +31,10 @@ from metrale.runner.model_runner import LaunchedStep, ModelRunner
 from metrale.runner.structured_output import StructuredOutputs
 
 logger = logging.getLogger(__name__)
+
+# Tokens of the prefill timed at startup for the swap-or-recompute choice (CPU, GPU): near the
+# chunk a recompute runs in, short enough not to slow the start.
+PREFILL_PROBE_TOKENS = (128, 2048)
 
 
 class EngineCore:
@@ -75,7 +80,11 @@ class EngineCore:
             ),
         )
         pool = BlockPool(config.cache.num_blocks, config.cache.enable_prefix_caching)
-        scheduler = Scheduler(config.scheduler, KVCacheManager(pool, config.cache.block_size))
+        scheduler = Scheduler(
+            config.scheduler,
+            KVCacheManager(pool, config.cache.block_size),
+            swap=swap_space(config, runner),
+        )
         logger.info(
             "engine ready in %.2f s: %s on %s (%s), %d KV blocks of %d tokens (%s), %s scheduling",
             time.perf_counter() - start,
@@ -137,6 +146,8 @@ class EngineCore:
     def _collect(self, outputs: list[EngineOutput]) -> tuple[SchedulerOutput, ModelRunnerOutput]:
         scheduled, launched = self._in_flight.popleft()
         result = self.runner.collect(launched)
+        if result.swap_s is not None and self.scheduler.swap is not None:
+            self.scheduler.swap.copy_s += result.swap_s
         outputs.extend(self.scheduler.update(scheduled, result))
         return scheduled, result
 
@@ -147,7 +158,7 @@ class EngineCore:
         of the call goes to the last of them. Preemptions made while scheduling are kept for the
         next step collected if this call collected none."""
         host_s = wall_s - sum(result.wait_s for _, result in collected)
-        collected = [(s, r) for s, r in collected if not s.is_empty]
+        collected = [(s, r) for s, r in collected if not s.is_empty or s.swap_out]
         if not collected:
             return
         preempted, self.scheduler.preempted_ids = self.scheduler.preempted_ids, []
@@ -166,8 +177,40 @@ class EngineCore:
                     cuda_graph=result.cuda_graph,
                     preempted=preempted if last else [],
                     thinking_loops_closed=closed if last else 0,
+                    swapped_out_blocks=len(scheduled.swap_out),
+                    swapped_in_blocks=len(scheduled.swap_in),
+                    swap_s=result.swap_s,
                 )
             )
+
+
+def swap_space(config: EngineConfig, runner: ModelRunner) -> SwapSpace | None:
+    """The host pool of `--swap-space-gb`, with this machine's copy and prefill costs."""
+    if not config.cache.num_host_blocks:
+        return None
+    probe_tokens = PREFILL_PROBE_TOKENS[config.device.type == "cuda"]
+    costs = SwapCosts(
+        copy_bytes_per_s=runner.kv_cache.measure_copy_bandwidth(),
+        prefill_s_per_token=runner.measure_prefill_s_per_token(
+            min(probe_tokens, config.scheduler.max_prefill_tokens, config.scheduler.max_seq_len)
+        ),
+    )
+    swap = SwapSpace(
+        config.cache.num_host_blocks,
+        runner.kv_cache.bytes_per_block,
+        costs,
+        config.scheduler.preemption_mode,
+    )
+    logger.info(
+        "swap space: %d host blocks (%.2f GiB); copies %.2f GB/s, prefill %.1f us/token; "
+        "preemption mode %s",
+        swap.num_blocks,
+        swap.num_blocks * swap.bytes_per_block / 2**30,
+        costs.copy_bytes_per_s / 1e9,
+        costs.prefill_s_per_token * 1e6,
+        swap.mode,
+    )
+    return swap
 
 
 def validate_request(config: EngineConfig, request: EngineRequest) -> None:

@@ -11,6 +11,7 @@ import enum
 
 import msgspec
 
+from metrale.engine.swap_space import SwapStats
 from metrale.sampling_params import SamplingParams
 
 
@@ -101,6 +102,8 @@ class KVCacheStats(msgspec.Struct, frozen=True):
     num_waiting: int
     num_preemptions: int
     memory: DeviceMemory | None = None
+    num_recomputed_tokens: int = 0  # computed, dropped by a preemption, computed again
+    swap: SwapStats | None = None  # the host pool, with --swap-space-gb
 
     @property
     def usage(self) -> float:
@@ -119,6 +122,9 @@ class StepStats(msgspec.Struct, frozen=True, array_like=True):
     cuda_graph: bool  # run as one CUDA graph replay
     preempted: list[str]  # requests preempted while scheduling it
     thinking_loops_closed: int = 0  # thinking blocks the watchdog closed since the last stats
+    swapped_out_blocks: int = 0  # KV blocks copied to the host pool before the step
+    swapped_in_blocks: int = 0  # and back
+    swap_s: float | None = None  # the device's time for those copies
 
 
 class CPUThreads(msgspec.Struct, frozen=True):

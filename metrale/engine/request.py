@@ -25,7 +25,8 @@ from metrale.sampling_params import SamplingParams
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
-    PREEMPTED = "preempted"
+    PREEMPTED = "preempted"  # its blocks freed: its tokens are computed again
+    SWAPPED = "swapped"  # its blocks on the host: copied back when it resumes
     FINISHED = "finished"
 
 
@@ -46,6 +47,7 @@ class Request:
     num_pending_tokens: int = 0  # sampled by steps in flight, ids not yet known to the host
     num_cached_prompt_tokens: int = 0  # prompt tokens served by the prefix cache, first admission
     num_preemptions: int = 0
+    num_dropped_tokens: int = 0  # computed tokens its latest recompute preemption threw away
     finish_reason: FinishReason | None = None
     # The engine's milestones of it (time.monotonic()), for the metrics.
     queued_time_s: float = field(default_factory=time.monotonic)

@@ -1,8 +1,10 @@
 """Continuous batching with chunked prefill and preemption, in the order a policy sets.
 
 Each step the scheduler gives running requests their next tokens first, oldest first; when the
-KV pool runs dry it preempts the running request the policy names (fifo: the newest; its blocks
-are freed and it is recomputed later, from the front of the queue). Then, if nothing was
+KV pool runs dry it preempts the running request the policy names (fifo: the newest) and puts it
+at the front of the queue: its blocks are either copied to the host pool and copied back when it
+resumes (`swap_space.py`, when that is cheaper and there is room), or freed and its tokens
+recomputed. Then, if nothing was
 preempted and the policy allows it this step, it admits waiting requests in the policy's order
 (fifo: arrival; `scheduling_policy.py`) while the token budget, `max_prefill_tokens`,
 `max_batch_size` and `max_num_seqs` allow; prefix-cache hits count as computed tokens. A step's
@@ -36,6 +38,7 @@ from metrale.engine.step import (
     SchedulerOutput,
     TokenHistory,
 )
+from metrale.engine.swap_space import SwapSpace
 
 
 class Scheduler:
@@ -44,15 +47,20 @@ class Scheduler:
         config: SchedulerConfig,
         kv_cache: KVCacheManager,
         clock: Callable[[], float] = time.monotonic,
+        swap: SwapSpace | None = None,
     ) -> None:
         self.config = config
         self.kv_cache = kv_cache
+        self.swap = swap
         self.policy = make_policy(config.policy, config.tbt_deadline_ms)
         self.clock = clock
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.num_recomputed_tokens = 0  # computed once, dropped by a preemption, computed again
+        self._swap_out: list[tuple[int, int]] = []  # this step's (device, host) block copies
+        self._swap_in: list[tuple[int, int]] = []  # and (host, device)
         self.preempted_ids: list[str] = []  # since the caller last cleared it (the metrics)
         self._finished_ids: list[str] = []
         # Requests whose steps are decided on the host from their tokens so far (a grammar,
@@ -143,22 +151,16 @@ class Scheduler:
         if self.waiting and not preempted and room > 0 and prefills:
             candidates = self.policy.admission_order(self.waiting, room)
         for request in candidates:
-            cached_prefix = self.kv_cache.find_cached_prefix(request)
-            num_cached = len(cached_prefix) * self.kv_cache.block_size
-            num_new = self._num_tokens_to_compute(
-                self._num_unscheduled(request) - num_cached, token_budget, prefill_budget
-            )
-            if num_new == 0 or not self.kv_cache.allocate(request, num_new, cached_prefix):
+            if request.status is RequestStatus.SWAPPED:
+                num_new = self._swap_in_blocks(request, token_budget, prefill_budget)
+            else:
+                num_new = self._claim_blocks(request, token_budget, prefill_budget, now)
+            if num_new == 0:
                 break
-            request.num_computed_tokens = num_cached
             if self.waiting[0] is request:
                 self.waiting.popleft()
             else:
                 self.waiting.remove(request)
-            self.kv_cache.record_admission(request, num_cached)
-            if request.num_preemptions == 0:
-                request.num_cached_prompt_tokens = num_cached
-                request.scheduled_time_s = now
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             chunks.append(self._schedule_chunk(request, num_new))
@@ -170,7 +172,54 @@ class Scheduler:
         if prefill_budget < self.config.max_prefill_tokens:  # some chunk has more than 1 token
             chunks, scheduled = _one_token_chunks_first(chunks, scheduled)
         finished, self._finished_ids = self._finished_ids, []
-        return SchedulerOutput(chunks, finished, scheduled)
+        swap_out, self._swap_out = self._swap_out, []
+        swap_in, self._swap_in = self._swap_in, []
+        return SchedulerOutput(chunks, finished, scheduled, swap_out, swap_in)
+
+    def _claim_blocks(
+        self, request: Request, token_budget: int, prefill_budget: int, now: float
+    ) -> int:
+        """Blocks for a waiting request's first chunk, after what the prefix cache holds of
+        it; the chunk's size, or 0 when it does not fit."""
+        cached_prefix = self.kv_cache.find_cached_prefix(request)
+        num_cached = len(cached_prefix) * self.kv_cache.block_size
+        num_new = self._num_tokens_to_compute(
+            self._num_unscheduled(request) - num_cached, token_budget, prefill_budget
+        )
+        if num_new == 0 or not self.kv_cache.allocate(request, num_new, cached_prefix):
+            return 0
+        request.num_computed_tokens = num_cached
+        self.kv_cache.record_admission(request, num_cached)
+        if request.num_preemptions == 0:
+            request.num_cached_prompt_tokens = num_cached
+            request.scheduled_time_s = now
+        else:
+            self.num_recomputed_tokens += max(request.num_dropped_tokens - num_cached, 0)
+        return num_new
+
+    def _swap_in_blocks(self, request: Request, token_budget: int, prefill_budget: int) -> int:
+        """Device blocks for a swapped request and its next chunk, its blocks copied back from
+        the host into them (those the prefix cache still holds are taken as they are); the
+        chunk's size, or 0 when it does not fit."""
+        assert self.swap is not None
+        num_new = self._num_tokens_to_compute(
+            self._num_unscheduled(request), token_budget, prefill_budget
+        )
+        if num_new == 0:
+            return 0
+        num_computed = request.num_computed_tokens
+        num_host = len(self.swap.host_blocks(request.request_id))
+        cached = self.kv_cache.find_cached_prefix(request)[:num_host]
+        # Claimed as a fresh admission would (computed from the cached prefix on), then level.
+        request.num_computed_tokens = 0
+        num_claimed = num_computed + num_new - len(cached) * self.kv_cache.block_size
+        claimed = self.kv_cache.allocate(request, num_claimed, cached)
+        request.num_computed_tokens = num_computed
+        if not claimed:
+            return 0
+        device_blocks = list(self.kv_cache.block_ids(request.request_id))
+        self._swap_in += self.swap.swap_in(request.request_id, device_blocks, len(cached))
+        return num_new
 
     def update(self, scheduled: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineOutput]:
         """Give the step's sampled tokens to their requests and report what changed."""
@@ -293,9 +342,19 @@ class Scheduler:
         return None
 
     def _preempt(self, request: Request) -> None:
+        """Free a running request's device blocks: swapped to the host when that is cheaper
+        than recomputing its tokens (and fits), else dropped, to be recomputed."""
+        num_computed = request.num_computed_tokens
+        num_blocks = self.kv_cache.num_blocks_needed(num_computed)
+        if self.swap is not None and self.swap.prefers_swap(num_blocks, num_computed):
+            blocks = list(self.kv_cache.block_ids(request.request_id)[:num_blocks])
+            self._swap_out += self.swap.swap_out(request.request_id, blocks)
+            request.status = RequestStatus.SWAPPED
+        else:
+            request.status = RequestStatus.PREEMPTED
+            request.num_dropped_tokens = num_computed
+            request.num_computed_tokens = 0
         self.kv_cache.free(request)
-        request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.preempted_ids.append(request.request_id)
@@ -310,6 +369,8 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         self.kv_cache.free(request)
+        if self.swap is not None:
+            self.swap.free(request.request_id)
         del self.requests[request.request_id]
         self._finished_ids.append(request.request_id)
 

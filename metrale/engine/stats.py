@@ -48,6 +48,8 @@ def kv_cache_stats(core: EngineCore) -> KVCacheStats:
         num_waiting=len(scheduler.waiting),
         num_preemptions=scheduler.num_preemptions,
         memory=device_memory(core),
+        num_recomputed_tokens=scheduler.num_recomputed_tokens,
+        swap=None if scheduler.swap is None else scheduler.swap.stats(),
     )
 
 

@@ -65,6 +65,10 @@ class SchedulerOutput:
     finished_request_ids: list[str] = field(default_factory=list)
     # The scheduler's own request of each chunk, for its `update()`; the runner never reads them.
     requests: list[Request] = field(default_factory=list)
+    # KV blocks to copy before the step runs, in this order: preempted requests' blocks out to
+    # the host pool as (device, host) pairs, resuming requests' back as (host, device).
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -86,3 +90,4 @@ class ModelRunnerOutput:
     device_s: float | None = None
     wait_s: float = 0.0
     cuda_graph: bool = False
+    swap_s: float | None = None  # the device's time for the step's swap copies, if it had any

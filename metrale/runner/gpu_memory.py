@@ -27,7 +27,7 @@ def kv_blocks_for_gpu(model: nn.Module, config: EngineConfig) -> int:
     probe = ModelRunner(
         model,
         config.model,
-        dataclasses.replace(cache, num_blocks=probe_blocks),
+        dataclasses.replace(cache, num_blocks=probe_blocks, num_host_blocks=0),
         scheduler,
         device,
         config.attention_backend,

@@ -29,6 +29,7 @@ from metrale.engine.step import (
 from metrale.layers.attention import AttentionMetadata, StepBatch, metadata_builder
 from metrale.runner.cuda_graphs import DecodeGraphs
 from metrale.runner.input_buffers import InputBuffers
+from metrale.runner.kv_cache import PagedKVCache, SwapTiming
 from metrale.runner.sampler import LogitBias, Penalties, SamplerOutput, SamplingMetadata, sample
 from metrale.runner.structured_output import StructuredOutputs
 from metrale.sampling_params import SamplingParams
@@ -46,6 +47,7 @@ class LaunchedStep:
     started: torch.cuda.Event | None = None
     device_s: float | None = None  # on CPU, the wall time of the forward and sampling
     cuda_graph: bool = False
+    swap: SwapTiming | None = None  # the block copies queued before it, if any
 
 
 class ModelRunner:
@@ -68,7 +70,7 @@ class ModelRunner:
         self.model_config = model_config
         self.block_size = cache_config.block_size
         self.device = device
-        self.kv_caches = self._allocate_kv_cache(model, model_config, cache_config, device)
+        self.kv_cache = PagedKVCache(model, model_config, cache_config, device)
         max_blocks_per_seq = -(-scheduler_config.max_seq_len // self.block_size)
         self.buffers = InputBuffers(
             scheduler_config.max_num_batched_tokens,
@@ -94,42 +96,61 @@ class ModelRunner:
             )
             self.graphs.capture()
 
-    @staticmethod
-    def _allocate_kv_cache(
-        model: nn.Module,
-        config: ModelConfig,
-        cache: CacheConfig,
-        device: torch.device,
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        shape = (cache.num_blocks, cache.block_size, config.num_kv_heads, config.head_dim)
-        # Zeros, not empty: masked-out slots are still multiplied by zero weights, and
-        # uninitialized memory may hold NaN, which zero does not cancel.
-        caches = []
-        for layer in model.attention_layers():
-            k_cache = torch.zeros(shape, dtype=cache.dtype, device=device)
-            v_cache = torch.zeros(shape, dtype=cache.dtype, device=device)
-            layer.bind_cache(k_cache, v_cache)
-            caches.append((k_cache, v_cache))
-        return caches
+    @property
+    def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's (keys, values) slices of the pool."""
+        return self.kv_cache.layers
 
     def execute(self, scheduled: SchedulerOutput) -> ModelRunnerOutput:
         return self.collect(self.launch(scheduled))
 
     @torch.inference_mode()
     def launch(self, scheduled: SchedulerOutput) -> LaunchedStep:
-        """Queue the step on the device and return without waiting for it."""
+        """Queue the step (after its swaps) on the device and return without waiting for it."""
+        swap = self._swap(scheduled)
         if not self.time_steps:
-            return self._launch(scheduled)
-        if self.device.type == "cuda":
+            step = self._launch(scheduled)
+        elif self.device.type == "cuda":
             started = torch.cuda.Event(enable_timing=True)
             started.record()
             step = self._launch(scheduled)
             step.started = started
-            return step
-        start = time.perf_counter()
-        step = self._launch(scheduled)
-        step.device_s = time.perf_counter() - start
+        else:
+            start = time.perf_counter()
+            step = self._launch(scheduled)
+            step.device_s = time.perf_counter() - start
+        step.swap = swap
         return step
+
+    def measure_prefill_s_per_token(self, num_tokens: int) -> float:
+        """Seconds per token of a `num_tokens` prefill, timed once warm, into the pool's first
+        blocks: call it before any request holds them."""
+        num_tokens = min(num_tokens, self.kv_cache.kv.shape[2] * self.block_size)
+        chunk = ScheduledChunk(
+            "prefill-probe",
+            [0] * num_tokens,
+            0,
+            list(range(-(-num_tokens // self.block_size))),
+            True,
+            SamplingParams(temperature=0.0),
+        )
+        step = SchedulerOutput([chunk])
+        self.execute(step)
+        start = time.perf_counter()
+        self.execute(step)
+        return (time.perf_counter() - start) / num_tokens
+
+    def _swap(self, scheduled: SchedulerOutput) -> SwapTiming | None:
+        """Queue the step's block copies to and from the host pool, timed."""
+        if not scheduled.swap_out and not scheduled.swap_in:
+            return None
+        timing = SwapTiming.start(self.device)
+        if scheduled.swap_out:
+            self.kv_cache.swap_out(scheduled.swap_out)
+        if scheduled.swap_in:
+            self.kv_cache.swap_in(scheduled.swap_in)
+        timing.stop()
+        return timing
 
     def _launch(self, scheduled: SchedulerOutput) -> LaunchedStep:
         for request_id in scheduled.finished_request_ids:
@@ -382,8 +403,9 @@ class ModelRunner:
 
     def collect(self, step: LaunchedStep) -> ModelRunnerOutput:
         """Wait for a launched step's samples (the step's one sync with the device)."""
+        swap_s = None if step.swap is None else step.swap.seconds()
         if step.samples is None:
-            return ModelRunnerOutput([], [], device_s=step.device_s)
+            return ModelRunnerOutput([], [], device_s=step.device_s, swap_s=swap_s)
         device_s, wait_s = step.device_s, 0.0
         # (a GPU step that samples nothing has no end event: its device time goes unmeasured)
         if step.copied is not None:
@@ -392,7 +414,12 @@ class ModelRunner:
             wait_s = time.perf_counter() - start
             if step.started is not None:
                 device_s = step.started.elapsed_time(step.copied) / 1e3
-        timing = {"device_s": device_s, "wait_s": wait_s, "cuda_graph": step.cuda_graph}
+        timing = {
+            "device_s": device_s,
+            "wait_s": wait_s,
+            "cuda_graph": step.cuda_graph,
+            "swap_s": swap_s,
+        }
         result, chunks = step.samples, step.chunks
         token_ids = result.token_ids.tolist()
         for chunk, token_id in zip(chunks, token_ids, strict=True):

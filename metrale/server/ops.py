@@ -8,6 +8,7 @@ import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from metrale.engine.swap_space import SwapStats
 from metrale.hardware import describe
 from metrale.server.state import ServerState
 
@@ -58,12 +59,34 @@ async def memory(request: Request) -> dict[str, Any]:
             "running": kv.num_running,
             "waiting": kv.num_waiting,
             "preemptions": kv.num_preemptions,
+            "recomputed_tokens": kv.num_recomputed_tokens,
         },
+        "swap": None if kv.swap is None else swap_figures(kv.swap),
         "prefix_cache": {
             "queried_tokens": kv.num_prefix_queried_tokens,
             "hit_tokens": kv.num_prefix_hit_tokens,
         },
         "device": None if kv.memory is None else msgspec.structs.asdict(kv.memory),
+    }
+
+
+def swap_figures(swap: SwapStats) -> dict[str, Any]:
+    """The host pool of --swap-space-gb and what has moved through it."""
+    return {
+        "blocks_total": swap.num_blocks,
+        "blocks_used": swap.num_used_blocks,
+        "bytes_per_block": swap.bytes_per_block,
+        "bytes_total": swap.num_blocks * swap.bytes_per_block,
+        "bytes_used": swap.num_used_blocks * swap.bytes_per_block,
+        "requests_swapped": swap.num_swapped_requests,
+        "swap_outs": swap.num_swap_outs,
+        "blocks_out": swap.blocks_out,
+        "blocks_in": swap.blocks_in,
+        "bytes_out": swap.blocks_out * swap.bytes_per_block,
+        "bytes_in": swap.blocks_in * swap.bytes_per_block,
+        "copy_seconds": swap.copy_s,
+        "measured_copy_bytes_per_s": swap.copy_bytes_per_s,
+        "measured_prefill_seconds_per_token": swap.prefill_s_per_token,
     }
 
 

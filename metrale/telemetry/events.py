@@ -56,7 +56,8 @@ class RequestFinished(Event, frozen=True, tag="request.finished"):
 
 
 class Preemption(Event, frozen=True, tag="preemption"):
-    """The engine preempted a running request (its KV blocks freed, to be recomputed)."""
+    """The engine preempted a running request (its KV blocks swapped to the host or freed, to be
+    recomputed)."""
 
     request_id: str
 

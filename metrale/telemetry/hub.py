@@ -205,6 +205,11 @@ class Telemetry:
             metrics.prefix_cache_hits.inc(
                 kv.num_prefix_hit_tokens - _count(previous, "num_prefix_hit_tokens")
             )
+            metrics.recomputed_tokens.inc(
+                kv.num_recomputed_tokens - _count(previous, "num_recomputed_tokens")
+            )
+            if kv.swap is not None:
+                self._swap_metrics(kv, previous)
             for step in batch.steps:
                 metrics.iteration_tokens.observe(step.num_tokens)
                 if step.host_s is not None:
@@ -226,6 +231,18 @@ class Telemetry:
         self._summary.busy |= not idle
         if now - self._summary.start_s >= SUMMARY_INTERVAL_S or (idle and self._summary.busy):
             self.bus.publish(self._summarize(kv, now))
+
+    def _swap_metrics(self, kv: KVCacheStats, previous: KVCacheStats | None) -> None:
+        metrics, swap = self.metrics, kv.swap
+        assert metrics is not None and swap is not None
+        before = None if previous is None else previous.swap
+        metrics.num_requests_swapped.set(swap.num_swapped_requests)
+        metrics.cpu_cache_usage_perc.set(swap.num_used_blocks / swap.num_blocks)
+        for direction, now_count, then_count in (
+            ("out", swap.blocks_out, 0 if before is None else before.blocks_out),
+            ("in", swap.blocks_in, 0 if before is None else before.blocks_in),
+        ):
+            metrics.child(metrics.swapped_blocks, direction).inc(now_count - then_count)
 
     def _summarize(self, kv: KVCacheStats, now: float) -> events.StepSummary:
         window = self._summary

@@ -106,6 +106,20 @@ class Metrics:
             "request_success", "Finished requests, by why they finished", ("finished_reason",)
         )
         self.num_preemptions = counter("num_preemptions", "Preemptions of running requests")
+        self.num_requests_swapped = gauge(
+            "num_requests_swapped", "Preempted requests whose KV blocks wait in the swap space"
+        )
+        self.cpu_cache_usage_perc = gauge(
+            "cpu_cache_usage_perc", "Fraction of the swap space's host blocks in use (0 to 1)"
+        )
+        self.swapped_blocks = counter(
+            "swapped_blocks",
+            "KV blocks copied to (out) and from (in) the swap space",
+            ("direction",),
+        )
+        self.recomputed_tokens = counter(
+            "recomputed_tokens", "Tokens computed again after a preemption dropped them"
+        )
         self.prefix_cache_queries = counter(
             "prefix_cache_queries", "Prompt tokens looked up in the prefix cache"
         )

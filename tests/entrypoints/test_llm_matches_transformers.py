@@ -99,6 +99,68 @@ def test_preemption(case, scheduling):
     assert llm.engine.scheduler.kv_cache.pool.num_used_blocks == 0
 
 
+@SCHEDULING
+@pytest.mark.parametrize("max_prefill_tokens", [None, 7], ids=["whole", "chunked"])
+@pytest.mark.parametrize("prefix_caching", [True, False], ids=["cached", "uncached"])
+def test_swap_to_host(case, scheduling, max_prefill_tokens, prefix_caching):
+    """Preempted requests' blocks go to the host pool and back instead of being recomputed
+    (those still cached on the device are taken as they are): the same greedy tokens and
+    logprobs as transformers, nothing recomputed, every block (device and host) free at the
+    end."""
+    model_dir, prompts, refs = case
+    llm = LLM(
+        model_from_path=str(model_dir),
+        dtype="float32",
+        num_kv_blocks=8,
+        enable_prefix_caching=prefix_caching,
+        swap_space_gb=0.01,
+        preemption_mode="swap",
+        max_prefill_tokens=max_prefill_tokens,
+        scheduler_config=scheduling,
+    )
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    scheduler = llm.engine.scheduler
+    assert scheduler.swap.num_swap_outs > 0 and scheduler.swap.blocks_in > 0
+    assert scheduler.num_recomputed_tokens == 0
+    check(outputs, refs, "swap")
+    assert scheduler.kv_cache.pool.num_used_blocks == 0
+    assert scheduler.swap.num_free_blocks == scheduler.swap.num_blocks
+
+
+@SCHEDULING
+@pytest.mark.parametrize("preemption_mode", ["swap", "recompute"])
+def test_seeded_sampling_is_the_same_under_a_preemption_storm(case, scheduling, preemption_mode):
+    """A request's seeded generator, penalties' history and everything else it carries survive
+    being swapped out and back (or recomputed): each request samples what it samples alone."""
+    model_dir, prompts, _ = case
+    params = [
+        SamplingParams(
+            temperature=0.9,
+            top_p=0.95,
+            max_tokens=MAX_NEW_TOKENS,
+            ignore_eos=True,
+            seed=100 + i,
+            frequency_penalty=0.3 if i % 2 else 0.0,
+        )
+        for i in range(len(prompts))
+    ]
+
+    def generate(**pool):
+        llm = LLM(
+            model_from_path=str(model_dir), dtype="float32", scheduler_config=scheduling, **pool
+        )
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outputs], llm.engine.scheduler
+
+    alone, _ = generate()
+    stormed, scheduler = generate(
+        num_kv_blocks=8, swap_space_gb=0.01, preemption_mode=preemption_mode
+    )
+    assert scheduler.num_preemptions > 0
+    assert (scheduler.swap.num_swap_outs > 0) == (preemption_mode == "swap")
+    assert stormed == alone
+
+
 def test_shared_prefixes_hit_the_cache(case, tmp_path):
     model_dir, _, _ = case
     prefix = prompts_of([40], seed=7)[0]

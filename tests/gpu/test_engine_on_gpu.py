@@ -183,3 +183,40 @@ def test_async_scheduling_gives_the_sync_tokens(tmp_path):
         ]
         assert llm.engine.scheduler.kv_cache.pool.num_used_blocks == 0
     assert runs["async"] == runs["sync"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_a_swap_storm_agrees_with_the_unpressured_run(tmp_path, kv_cache_dtype):
+    """Pinned host copies queued on the stream, async scheduling, CUDA graphs: a pool so small
+    that requests are swapped out and back gives what a pool where nothing is preempted gives
+    (by the fidelity rule: the batches differ, so tf32 products may differ in the last bits)."""
+    model_dir = build_checkpoint(tmp_path, "qwen3")
+    batch = prompts((5, 17, 40, 33, 64, 1, 300, 9))
+    runs = {}
+    for name, pool in (
+        ("unpressured", {"num_kv_blocks": 256}),
+        ("swapped", {"num_kv_blocks": 24, "swap_space_gb": 0.05, "preemption_mode": "swap"}),
+    ):
+        llm = LLM(
+            model_from_path=str(model_dir),
+            dtype="float32",
+            device="cuda",
+            kv_cache_dtype=kv_cache_dtype,
+            enable_prefix_caching=False,  # every swapped block comes back through the host
+            **pool,
+        )
+        runs[name] = llm.generate(batch, PARAMS, use_tqdm=False)
+        scheduler = llm.engine.scheduler
+        assert scheduler.kv_cache.pool.num_used_blocks == 0
+        if scheduler.swap is not None:
+            assert scheduler.swap.blocks_in > 0 and scheduler.num_recomputed_tokens == 0
+            assert scheduler.swap.num_free_blocks == scheduler.swap.num_blocks
+    tolerance = 2e-2 if kv_cache_dtype == "auto" else 6e-2
+    matched = 0
+    for i, (ours, ref) in enumerate(zip(runs["swapped"], runs["unpressured"], strict=True)):
+        agreement = assert_close_to_reference(
+            ours.outputs[0], EngineReference(ref.outputs[0]), f"prompt {i}", tolerance
+        )
+        matched += agreement.matched
+    assert matched >= len(batch) * PARAMS.max_tokens * 3 // 4, matched
