@@ -123,7 +123,7 @@ def run(
 def release(core: EngineCore) -> None:
     """Give an engine's GPU memory back before the next one sizes its KV pool."""
     core.runner.graphs = None
-    core.runner.kv_caches.clear()
+    core.runner.kv_cache = None
     for layer in core.runner.model.attention_layers():
         layer.bind_cache(torch.empty(0), torch.empty(0))
     core.runner.model = None

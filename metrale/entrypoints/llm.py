@@ -56,9 +56,11 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in the order of the prompts.
 
+        `priority` (one per prompt, lower first) needs `scheduler="priority"`, as in vLLM.
         Every request is validated before any is queued, so one bad request raises
         `ValueError` and leaves the engine as it was.
         """
@@ -77,11 +79,13 @@ class LLM:
                     f"one, or one per prompt"
                 )
 
+        priorities = self._priorities(priority, len(prompts))
         processed = []
         groups = []  # (request id, the ids of its engine requests)
-        for prompt, params in zip(prompts, params_list, strict=True):
+        for prompt, params, rank in zip(prompts, params_list, priorities, strict=True):
             request_id = str(next(self._request_counter))
             text, engine_request = self._inputs.process(request_id, prompt, params)
+            engine_request = msgspec.structs.replace(engine_request, priority=rank)
             children = []
             for child_id, child_params in _fan_out(request_id, params):
                 child = msgspec.structs.replace(
@@ -107,6 +111,21 @@ class LLM:
         return [
             _merge(request_id, [results[c] for c in children]) for request_id, children in groups
         ]
+
+    def _priorities(self, priority: Sequence[int] | None, num_prompts: int) -> list[int]:
+        if priority is None:
+            return [0] * num_prompts
+        if self.config.scheduler.policy != "priority":
+            raise ValueError(
+                f"priority is served by the priority policy only; this engine schedules "
+                f"{self.config.scheduler.policy}: pass scheduler='priority'"
+            )
+        priority = list(priority)
+        if len(priority) != num_prompts:
+            raise ValueError(f"got {len(priority)} priorities for {num_prompts} prompts")
+        if not all(isinstance(p, int) and not isinstance(p, bool) for p in priority):
+            raise ValueError("priorities must be integers")
+        return priority
 
     def _run(self, num_requests: int, results: dict[str, RequestOutput], use_tqdm: bool) -> None:
         bar = tqdm(total=num_requests, desc="Generating", unit="req", disable=not use_tqdm)

@@ -241,3 +241,25 @@ def test_structured_output_follows_the_grammar(llm):
         llm.generate(
             ["x"], SamplingParams(structured=StructuredOutput("regex", "([")), use_tqdm=False
         )
+
+
+def test_priority_orders_offline_requests_and_needs_the_priority_policy(qwen3_dir, llm):
+    llm_p = LLM(model_from_path=str(qwen3_dir), scheduler="priority", max_num_seqs=1)
+    admitted: list[str] = []
+    schedule = llm_p.engine.scheduler.schedule
+
+    def spy():  # records the order requests first reach a step
+        out = schedule()
+        admitted.extend(c.request_id for c in out.chunks if c.request_id not in admitted)
+        return out
+
+    llm_p.engine.scheduler.schedule = spy
+    params = SamplingParams(temperature=0, max_tokens=3)
+    outputs = llm_p.generate([[5, 6], [7, 8], [9, 10]], params, use_tqdm=False, priority=[2, 0, 1])
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [3, 3, 3]
+    ids = [o.request_id for o in outputs]
+    assert admitted == [ids[1], ids[2], ids[0]]
+    with pytest.raises(ValueError, match="priority policy"):
+        llm.generate([[5, 6]], params, use_tqdm=False, priority=[1])
+    with pytest.raises(ValueError, match="2 priorities for 1 prompts"):
+        llm_p.generate([[5, 6]], params, use_tqdm=False, priority=[1, 2])

@@ -192,11 +192,13 @@ def test_a_swap_storm_agrees_with_the_unpressured_run(tmp_path, kv_cache_dtype):
     that requests are swapped out and back gives what a pool where nothing is preempted gives
     (by the fidelity rule: the batches differ, so tf32 products may differ in the last bits)."""
     model_dir = build_checkpoint(tmp_path, "qwen3")
-    batch = prompts((5, 17, 40, 33, 64, 1, 300, 9))
+    batch = prompts((5, 17, 40, 33, 64, 1, 9, 20))
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, logprobs=2)
     runs = {}
+    # 573 tokens through a pool of 256: the requests admitted grow until some are swapped out.
     for name, pool in (
         ("unpressured", {"num_kv_blocks": 256}),
-        ("swapped", {"num_kv_blocks": 24, "swap_space_gb": 0.05, "preemption_mode": "swap"}),
+        ("swapped", {"num_kv_blocks": 16, "swap_space_gb": 0.05, "preemption_mode": "swap"}),
     ):
         llm = LLM(
             model_from_path=str(model_dir),
@@ -206,7 +208,7 @@ def test_a_swap_storm_agrees_with_the_unpressured_run(tmp_path, kv_cache_dtype):
             enable_prefix_caching=False,  # every swapped block comes back through the host
             **pool,
         )
-        runs[name] = llm.generate(batch, PARAMS, use_tqdm=False)
+        runs[name] = llm.generate(batch, params, use_tqdm=False)
         scheduler = llm.engine.scheduler
         assert scheduler.kv_cache.pool.num_used_blocks == 0
         if scheduler.swap is not None:
@@ -219,4 +221,4 @@ def test_a_swap_storm_agrees_with_the_unpressured_run(tmp_path, kv_cache_dtype):
             ours.outputs[0], EngineReference(ref.outputs[0]), f"prompt {i}", tolerance
         )
         matched += agreement.matched
-    assert matched >= len(batch) * PARAMS.max_tokens * 3 // 4, matched
+    assert matched >= len(batch) * params.max_tokens * 3 // 4, matched
