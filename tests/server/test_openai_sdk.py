@@ -220,6 +220,7 @@ def test_disconnected_streams_free_their_blocks(server):
         "running": 0,
         "waiting": 0,
         "preemptions": memory["requests"]["preemptions"],
+        "recomputed_tokens": memory["requests"]["recomputed_tokens"],
     }
 
 
