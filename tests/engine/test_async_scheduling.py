@@ -49,13 +49,13 @@ def engine(config, runner=None, **scheduler_kwargs) -> EngineCore:
     return EngineCore(config, runner or FakeRunner(), make_scheduler(**scheduler_kwargs))
 
 
-def workload(seed: int):
+def workload(seed: int, max_prompt_len: int = 30, max_tokens: int = 20):
     rng = random.Random(seed)
     return [
         request(
             f"r{i}",
-            prompt_len=rng.randint(1, 30),
-            max_tokens=rng.randint(1, 20),
+            prompt_len=rng.randint(1, max_prompt_len),
+            max_tokens=rng.randint(1, max_tokens),
             first_token=0 if rng.random() < 0.5 else 100 * i,  # half share a prefix
         )
         for i in range(16)

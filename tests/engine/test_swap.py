@@ -26,6 +26,7 @@ from metrale.engine.swap_space import SwapCosts, SwapSpace
 from metrale.engine_args import EngineArgs
 from tests.engine.fake_runner import FakeRunner, scripted_token
 from tests.engine.test_async_scheduling import run
+from tests.engine.test_async_scheduling import workload as async_workload
 from tests.engine.test_scheduler import BLOCK, expected_tokens, request
 
 CHEAP_COPIES = SwapCosts(copy_bytes_per_s=1e12, prefill_s_per_token=1e-3)
@@ -89,18 +90,9 @@ def configs(qwen3_dir):
     }
 
 
-def workload(seed: int, n: int = 16):
-    """Requests of up to 60 tokens: 15 blocks, all but one of the pool's."""
-    rng = random.Random(seed)
-    return [
-        request(
-            f"r{i}",
-            prompt_len=rng.randint(1, 36),
-            max_tokens=rng.randint(1, 24),
-            first_token=0 if rng.random() < 0.5 else 100 * i,  # half share a prefix
-        )
-        for i in range(n)
-    ]
+def workload(seed: int):
+    """16 requests of up to 60 tokens: 15 blocks, all but one of the pool's."""
+    return async_workload(seed, max_prompt_len=36, max_tokens=24)
 
 
 @pytest.mark.parametrize("scheduling", ["sync", "async"])
