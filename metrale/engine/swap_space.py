@@ -92,9 +92,6 @@ class SwapSpace:
     def host_blocks(self, request_id: str) -> list[int]:
         return self._held[request_id]
 
-    def is_swapped(self, request_id: str) -> bool:
-        return request_id in self._held
-
     def swap_in(
         self, request_id: str, device_blocks: list[int], skip: int
     ) -> list[tuple[int, int]]:

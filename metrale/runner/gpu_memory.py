@@ -9,9 +9,7 @@ import torch
 from torch import nn
 
 from metrale.config import CacheConfig
-from metrale.engine.step import ScheduledChunk, SchedulerOutput
 from metrale.engine_args import EngineConfig
-from metrale.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -19,7 +17,7 @@ logger = logging.getLogger(__name__)
 def kv_blocks_for_gpu(model: nn.Module, config: EngineConfig) -> int:
     """Blocks that fit in `gpu_memory_utilization` of the device once the weights, the CUDA
     context and the activation peak of the largest step (`max_num_batched_tokens`) are paid."""
-    from metrale.runner.model_runner import ModelRunner
+    from metrale.runner.model_runner import ModelRunner, prefill_probe
 
     device, cache, scheduler = config.device, config.cache, config.scheduler
     num_tokens = min(scheduler.max_num_batched_tokens, scheduler.max_seq_len)
@@ -36,15 +34,7 @@ def kv_blocks_for_gpu(model: nn.Module, config: EngineConfig) -> int:
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     allocated_before = torch.cuda.memory_allocated(device)
-    chunk = ScheduledChunk(
-        "profile",
-        [0] * num_tokens,
-        0,
-        list(range(probe_blocks)),
-        True,
-        SamplingParams(temperature=0.0),
-    )
-    probe.execute(SchedulerOutput([chunk]))
+    probe.execute(prefill_probe(num_tokens, cache.block_size))
     torch.cuda.synchronize(device)
     activation_peak = torch.cuda.max_memory_allocated(device) - allocated_before
     del probe

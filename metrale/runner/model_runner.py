@@ -126,15 +126,7 @@ class ModelRunner:
         """Seconds per token of a `num_tokens` prefill, timed once warm, into the pool's first
         blocks: call it before any request holds them."""
         num_tokens = min(num_tokens, self.kv_cache.kv.shape[2] * self.block_size)
-        chunk = ScheduledChunk(
-            "prefill-probe",
-            [0] * num_tokens,
-            0,
-            list(range(-(-num_tokens // self.block_size))),
-            True,
-            SamplingParams(temperature=0.0),
-        )
-        step = SchedulerOutput([chunk])
+        step = prefill_probe(num_tokens, self.block_size)
         self.execute(step)
         start = time.perf_counter()
         self.execute(step)
@@ -442,3 +434,17 @@ class ModelRunner:
             top = list(zip(top_ids[row][:n], top_logprobs[row][:n], strict=True))
             logprobs.append(TokenLogprobs(token_ids[row], chosen[row], ranks[row], top))
         return ModelRunnerOutput(token_ids, logprobs, **timing)
+
+
+def prefill_probe(num_tokens: int, block_size: int) -> SchedulerOutput:
+    """A step that prefills `num_tokens` tokens into the pool's first blocks and samples once:
+    what startup times and profiles, before any request holds a block."""
+    chunk = ScheduledChunk(
+        "probe",
+        [0] * num_tokens,
+        0,
+        list(range(-(-num_tokens // block_size))),
+        True,
+        SamplingParams(temperature=0.0),
+    )
+    return SchedulerOutput([chunk])
