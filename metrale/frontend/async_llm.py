@@ -56,7 +56,9 @@ class AsyncLLM:
         self, request: EngineRequest, api: str = "unknown"
     ) -> AsyncIterator[CompletionDelta]:
         """Stream the request's deltas until it finishes; abort it if the caller leaves early.
-        `api` names the route that asked, for the telemetry."""
+        `api` names the route that asked, for the telemetry. A caller that leaves after marking
+        the last delta it took finished (a stop only the API sees) ended the request with that
+        finish reason: the telemetry counts it so, not as an abort."""
         request_id = request.request_id
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already running")
@@ -66,6 +68,7 @@ class AsyncLLM:
             request_id, len(request.prompt_token_ids), request.sampling_params
         )
         finished = False
+        item: CompletionDelta | Exception | None = None
         try:
             self.client.add_request(request)
             self.telemetry.request_added(request, api)
@@ -85,7 +88,8 @@ class AsyncLLM:
             self._waiting.discard(request_id)
             self._queues.pop(request_id, None)
             self._processor.remove_request(request_id)
-            self.telemetry.request_closed(request_id)  # if it did not finish: an abort
+            ended = item if isinstance(item, CompletionDelta) and item.finished else None
+            self.telemetry.request_closed(request_id, ended)  # if it did not finish: an abort
             if not finished:
                 self.client.abort_requests([request_id])
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from metrale.frontend.output_processor import CompletionDelta
 from metrale.frontend.reasoning import ReasoningDelta, ReasoningEvent, ReasoningParser
 from metrale.frontend.tool_parsers import (
     ContentDelta,
@@ -39,22 +40,37 @@ class ChatDelta:
         return bool(self.reasoning or self.content or self.tool_calls)
 
 
+# The stop_reason (and watchdog label) of a choice ended by `max_inter_tool_prose`.
+INTER_TOOL_PROSE = "inter_tool_prose"
+
+
 class ChatOutputParser:
     """`max_tool_calls`: calls past this many are dropped (`parallel_tool_calls: false`). The
     engine stops after the first call where the format marks a call's end; this holds the line
     for the formats that do not, on the streaming and the non-streaming path alike. Dropped
-    calls are not counted in `tool_call_outcomes` either."""
+    calls are not counted in `tool_call_outcomes` either.
+
+    `max_inter_tool_prose`: once a call has started, the content tokens since the last call
+    started (prose; not reasoning, not the text of a block that is or may become a call) are
+    counted, and the delta that brings them to this many ends the choice (`take`): a
+    tool-calling turn that drifts into prose between its calls ends there, as the turn's
+    calls are what the client acts on. Tokens are counted per delta: a delta's tokens are
+    prose when it left the parser outside a block and carried no reasoning.
+    """
 
     def __init__(
         self,
         reasoning: ReasoningParser | None,
         tools: ToolParser | None,
         max_tool_calls: int | None = None,
+        max_inter_tool_prose: int | None = None,
     ) -> None:
         self._reasoning = reasoning
         self._tools = tools
         self._max_tool_calls = max_tool_calls
+        self._max_prose = max_inter_tool_prose or None
         self.num_tool_calls = 0
+        self.prose_tokens = 0  # since the last call started; counted after the first
         self._reasoning_pieces: list[str] = []
 
     @property
@@ -72,10 +88,35 @@ class ChatOutputParser:
         delivered = self._tools.call_outcomes[: self._max_tool_calls]
         return count_outcomes(delivered, self._tools.num_text_outcomes)
 
-    def feed(self, text: str) -> ChatDelta:
+    @property
+    def prose_overrun(self) -> bool:
+        """The prose since the last call reached `max_inter_tool_prose`."""
+        return self._max_prose is not None and self.prose_tokens >= self._max_prose
+
+    def take(self, delta: CompletionDelta) -> ChatDelta:
+        """`feed` an engine delta's text, its tokens counted; when that brings the prose since
+        the last call to `max_inter_tool_prose`, `delta` becomes the choice's last: finished
+        (`stop`, which a route reports as tool calls), `stop_reason` and `watchdog`
+        INTER_TOOL_PROSE. The stream that yielded it then ends its engine request
+        (`stream_deltas`). The caller still calls `finish` for a finished delta."""
+        parsed = self.feed(delta.text, len(delta.token_ids))
+        if self.prose_overrun and not delta.finished:
+            delta.finish_reason = "stop"
+            delta.stop_reason = delta.watchdog = INTER_TOOL_PROSE
+        return parsed
+
+    def feed(self, text: str, num_tokens: int = 0) -> ChatDelta:
+        """The next piece of text, which `num_tokens` tokens made (for the prose count)."""
         if self._reasoning is None:
-            return self._route(text, ChatDelta())
-        return self._split(self._reasoning.feed(text))
+            delta = self._route(text, ChatDelta())
+        else:
+            delta = self._split(self._reasoning.feed(text))
+        if self._max_prose is not None and self._tools is not None:
+            if any(call.name is not None for call in delta.tool_calls):
+                self.prose_tokens = 0
+            elif self.num_tool_calls and not delta.reasoning and not self._tools.in_block:
+                self.prose_tokens += num_tokens
+        return delta
 
     def finish(self) -> ChatDelta:
         delta = ChatDelta()

@@ -77,6 +77,8 @@ class BehaviorChoice:
     max_thinking_budget_source: str
     loop_watchdog: bool = False  # the content-loop watchdog on unless a request turns it off
     loop_watchdog_source: str = "default"
+    max_inter_tool_prose: int | None = None  # tokens; None: no bound
+    max_inter_tool_prose_source: str = "default"
 
     def describe(self) -> str:
         budget = "none" if self.max_thinking_budget is None else f"{self.max_thinking_budget}"
@@ -86,7 +88,9 @@ class BehaviorChoice:
             f"({self.reasoning_parser_source}); "
             f"max thinking budget {budget} ({self.max_thinking_budget_source}); "
             f"content-loop watchdog {'on' if self.loop_watchdog else 'off'} "
-            f"({self.loop_watchdog_source})"
+            f"({self.loop_watchdog_source}); "
+            f"max inter-tool prose {self.max_inter_tool_prose or 'none'} "
+            f"({self.max_inter_tool_prose_source})"
         )
 
 
@@ -147,6 +151,7 @@ def choose_behavior(sources: Sequence[Source], chat_template: str) -> BehaviorCh
             )
         budget, budget_from = None, f"thinking_steering = false in {steering_from}"
     watchdog, watchdog_from = _first(sources, "enable_loop_watchdog")
+    prose, prose_from = _first(sources, "max_inter_tool_prose")
     return BehaviorChoice(
         None if tool in (None, NONE) else tool,
         None if reasoning in (None, NONE) else reasoning,
@@ -156,6 +161,8 @@ def choose_behavior(sources: Sequence[Source], chat_template: str) -> BehaviorCh
         budget_from,
         bool(watchdog),
         watchdog_from,
+        prose or None,
+        prose_from,
     )
 
 

@@ -13,6 +13,7 @@ A recipe is a TOML file with two tables:
     max_thinking_budget = 8192     # tokens, when `--max-thinking-budget` is not given
     thinking_steering = true       # false: only a budget the request states is enforced
     enable_loop_watchdog = true    # end a generation that loops (`--content-loop-watchdog`)
+    max_inter_tool_prose = 256     # tokens of prose between tool calls (`--max-inter-tool-prose`)
 
 Recipes come from three places, consulted in this order (the first that makes a choice wins):
 
@@ -74,6 +75,7 @@ class Behavior:
     max_thinking_budget: int | None = None  # tokens
     thinking_steering: bool | None = None  # False: no budget the request did not ask for
     enable_loop_watchdog: bool | None = None  # the content-loop watchdog on by default
+    max_inter_tool_prose: int | None = None  # tokens; 0: no bound
 
 
 @dataclass(frozen=True)
@@ -132,7 +134,7 @@ def behavior_value_problem(key: str, value: object) -> str | None:
         known = reasoning_parser_names()
         if not isinstance(value, str) or value not in (*known, NONE):
             return f"is not a known format: use one of {', '.join(known)} or {NONE}"
-    elif key == "max_thinking_budget":
+    elif key in ("max_thinking_budget", "max_inter_tool_prose"):
         if type(value) is not int or value < 0:
             return "is not a token count: use an integer >= 0"
     elif key in ("thinking_steering", "enable_loop_watchdog") and not isinstance(value, bool):

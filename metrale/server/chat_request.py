@@ -390,7 +390,13 @@ def output_parser(
             id_prefix=f"call_{request_id[-8:]}_",
         )
     limits = [n for n in (max_tool_calls, 1 if body.parallel_tool_calls is False else None) if n]
-    return ChatOutputParser(reasoning, tools, max_tool_calls=min(limits, default=None))
+    prose = body.max_inter_tool_prose
+    return ChatOutputParser(
+        reasoning,
+        tools,
+        max_tool_calls=min(limits, default=None),
+        max_inter_tool_prose=settings.max_inter_tool_prose if prose is None else prose,
+    )
 
 
 def report_output(

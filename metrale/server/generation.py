@@ -171,7 +171,11 @@ async def stream_deltas(
 ) -> AsyncIterator[tuple[int, CompletionDelta]]:
     """Deltas of every choice of every prompt, as (choice index, delta), interleaved. When the
     stream ends, however it ends, `admission` is refunded the tokens that were not generated.
-    Past `timeout_s` it raises TimeoutError (see `until_deadline`)."""
+    Past `timeout_s` it raises TimeoutError (see `until_deadline`).
+
+    A choice ends with the first delta that is finished when the consumer hands control back:
+    the engine finished it, or the consumer marked it finished (a stop only the API can see,
+    as `ChatOutputParser.take` does), which aborts its engine request."""
     async for item in until_deadline(_merged_deltas(state, prompts, admission), timeout_s):
         yield item
 
@@ -220,31 +224,39 @@ async def _merged_deltas(
                 if record is not None:
                     record.add(delta)
                 yield 0, delta
+                if delta.finished:
+                    return
             return
-        queue: asyncio.Queue[tuple[int, CompletionDelta] | BaseException | None] = asyncio.Queue()
+        queue: asyncio.Queue[tuple[int, CompletionDelta | None] | BaseException] = asyncio.Queue()
 
         async def pump(index: int, stream: AsyncIterator[CompletionDelta]) -> None:
             try:
                 async for delta in stream:
                     queue.put_nowait((index, delta))
-                queue.put_nowait(None)
+                queue.put_nowait((index, None))
             except Exception as e:
                 queue.put_nowait(e)
 
         tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
         try:
-            remaining = len(tasks)
-            while remaining:
+            open_choices = set(range(len(tasks)))
+            while open_choices:
                 item = await queue.get()
-                if item is None:
-                    remaining -= 1
-                elif isinstance(item, BaseException):
+                if isinstance(item, BaseException):
                     raise item
-                else:
-                    generated += len(item[1].token_ids)
-                    if record is not None:
-                        record.add(item[1])
-                    yield item
+                index, delta = item
+                if index not in open_choices:  # queued before the consumer ended it
+                    continue
+                if delta is None:
+                    open_choices.discard(index)
+                    continue
+                generated += len(delta.token_ids)
+                if record is not None:
+                    record.add(delta)
+                yield index, delta
+                if delta.finished:
+                    open_choices.discard(index)
+                    tasks[index].cancel()  # its engine request is aborted, if still running
         finally:
             for task in tasks:
                 task.cancel()

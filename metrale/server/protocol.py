@@ -282,6 +282,9 @@ class ChatCompletionRequest(SamplingFields):
         | None
     ) = None
     parallel_tool_calls: bool | None = None
+    # tokens of prose after a call that end the turn; 0: no bound (default: the server's
+    # --max-inter-tool-prose)
+    max_inter_tool_prose: Annotated[int, Field(ge=0)] | None = None
     store: bool = False
     metadata: dict[str, str] | None = None
     chat_template_kwargs: Annotated[dict[str, Any] | None, AfterValidator(_template_kwargs)] = None

@@ -30,6 +30,7 @@ class ServerSettings:
     max_thinking_budget: int | None = None  # tokens; None: think as long as the model likes
     content_loop_watchdog: bool = False  # on for requests that do not say
     content_loop_min_repeats: int = DEFAULT_MIN_REPEATS
+    max_inter_tool_prose: int | None = None  # tokens of prose between calls; None: no bound
 
     def __post_init__(self) -> None:
         if not 2 <= self.content_loop_min_repeats <= SamplingParams.MAX_LOOP_REPEATS:

@@ -105,8 +105,8 @@ class Telemetry:
                 live.last_token_s = now
                 generated += num_tokens
             if delta.finish_reason is not None:
-                if delta.watchdog is not None and self.metrics is not None:
-                    self.metrics.child(self.metrics.watchdog_fires, delta.watchdog).inc()
+                if delta.watchdog is not None:
+                    self.watchdog_fired(delta.watchdog)
                 self._finish(live, delta.finish_reason, now)
         self._generated_tokens += generated
         for last, count in gaps.items():
@@ -137,11 +137,19 @@ class Telemetry:
                 )
             )
 
-    def request_closed(self, request_id: str) -> None:
-        """The caller left before the request finished (a disconnect, a timeout): an abort."""
+    def request_closed(self, request_id: str, ended: CompletionDelta | None = None) -> None:
+        """The caller left before the request finished: an abort (a disconnect, a timeout),
+        unless the caller `ended` it, marking its last delta finished (a stop the API saw)."""
         live = self.live.get(request_id)
         if live is not None:
-            self._finish(live, "abort", self.clock())
+            if ended is not None and ended.watchdog is not None:
+                self.watchdog_fired(ended.watchdog)
+            reason = ended.finish_reason if ended is not None else None
+            self._finish(live, reason or "abort", self.clock())
+
+    def watchdog_fired(self, watchdog: str) -> None:
+        if self.metrics is not None:
+            self.metrics.child(self.metrics.watchdog_fires, watchdog).inc()
 
     def _finish(self, live: _Live, reason: str, now: float) -> None:
         del self.live[live.request_id]

@@ -1,4 +1,5 @@
-"""The chat output parser's cap on tool calls (`parallel_tool_calls: false`), for every format.
+"""The chat output parser's caps: on tool calls (`parallel_tool_calls: false`), for every format,
+and on the prose between calls (`max_inter_tool_prose`).
 
 The engine stops after the first call only where the format marks a call's end; the parser
 keeps the first call of every format, and the stream must agree with the whole text.
@@ -9,9 +10,10 @@ from __future__ import annotations
 import pytest
 
 from metrale.frontend.chat_output import ChatOutputParser
+from metrale.frontend.output_processor import CompletionDelta
 from metrale.frontend.tool_parsers import make_tool_parser, tool_parser_names
 from metrale.frontend.tool_parsers.schema import tool_specs
-from tests.frontend.splits import splittings
+from tests.frontend.splits import splittings, token_deltas
 
 TOOLS = tool_specs(
     [
@@ -99,3 +101,73 @@ def test_no_tool_parser_no_outcomes():
     parser.feed("<tool_call>")
     parser.finish()
     assert parser.tool_call_outcomes == {}
+
+
+# A call, `prose` words of prose, then a second call with a long argument.
+def _call_prose_call(name: str, prose_words: int) -> str:
+    first, second = TWO_CALLS[name], TWO_CALLS[name]
+    if name == "mistral":  # one call per [TOOL_CALLS] block, so prose can come between
+        first = '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]'
+        second = '[TOOL_CALLS] [{"name": "get_time", "arguments": {"city": "' + "Oslo " * 60
+        second += '"}}]'
+    else:
+        end = second.index("</tool_call>") + len("</tool_call>")
+        first = second[:end]
+        second = second[end:].lstrip("\n").replace("Oslo", "Oslo " * 60)
+    return first + "\n" + " ".join(["word"] * prose_words) + "\n" + second
+
+
+def _take_tokens(parser: ChatOutputParser, text: str) -> tuple[str, list[str], CompletionDelta]:
+    """Feed `text` a token a delta, as the server does; stop where a delta is finished."""
+    content, names = "", []
+    pieces = token_deltas(text)
+    for i, piece in enumerate(pieces):
+        delta = CompletionDelta("r", [i], piece, None)
+        parsed = parser.take(delta)
+        if delta.finished or i == len(pieces) - 1:
+            parsed = merge_all(parsed, parser.finish())
+        content += parsed.content
+        names += [call.name for call in parsed.tool_calls if call.name is not None]
+        if delta.finished:
+            return content, names, delta
+    return content, names, delta
+
+
+def merge_all(a, b):
+    a.content += b.content
+    a.tool_calls += b.tool_calls
+    return a
+
+
+@pytest.mark.parametrize("name", sorted(TWO_CALLS))
+def test_prose_between_calls_past_the_bound_ends_the_turn(name):
+    parser = ChatOutputParser(None, make_tool_parser(name, tools=TOOLS), max_inter_tool_prose=20)
+    content, names, last = _take_tokens(parser, _call_prose_call(name, 200))
+    assert names == ["get_weather"]
+    assert (last.finish_reason, last.stop_reason, last.watchdog) == (
+        "stop",
+        "inter_tool_prose",
+        "inter_tool_prose",
+    )
+    assert parser.prose_tokens == 20
+    assert 0 < content.count("word") <= 20
+
+
+@pytest.mark.parametrize("name", sorted(TWO_CALLS))
+def test_prose_within_the_bound_and_long_calls_are_not_cut(name):
+    """Only prose after a call counts, from the last call on: a call's own text never does."""
+    for bound in (None, 40):
+        parser = ChatOutputParser(
+            None, make_tool_parser(name, tools=TOOLS), max_inter_tool_prose=bound
+        )
+        _, names, last = _take_tokens(parser, _call_prose_call(name, 10))
+        assert names == ["get_weather", "get_time"]
+        assert not last.finished
+        assert parser.prose_tokens < 5  # reset at the second call; only the layout after it
+
+
+def test_prose_before_the_first_call_is_not_bounded():
+    parser = ChatOutputParser(None, make_tool_parser("hermes", tools=TOOLS), max_inter_tool_prose=5)
+    content, names, last = _take_tokens(parser, "word " * 50 + TWO_CALLS["hermes"])
+    assert names == ["get_weather", "get_time"] and not last.finished
+    assert content.count("word") == 50

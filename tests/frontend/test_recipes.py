@@ -200,8 +200,22 @@ def test_nothing_found_means_no_parser(tmp_path):
     assert choice.tool_call_parser is None
     assert choice.describe() == (
         "tool-call parser none (no format in the chat template); reasoning parser none "
-        "(default); max thinking budget none (default); content-loop watchdog off (default)"
+        "(default); max thinking budget none (default); content-loop watchdog off (default); "
+        "max inter-tool prose none (default)"
     )
+
+
+def test_a_recipe_bounds_inter_tool_prose_and_the_flag_wins(tmp_path):
+    model_dir = make_checkpoint(tmp_path, "my_model", "[behavior]\nmax_inter_tool_prose = 64\n")
+    choice = choose(model_dir, None, "{{ messages }}")
+    assert choice.max_inter_tool_prose == 64
+    assert "MODEL.toml" in choice.max_inter_tool_prose_source
+    off = choose(model_dir, None, "{{ messages }}", Behavior(max_inter_tool_prose=0))
+    assert off.max_inter_tool_prose is None
+    assert off.max_inter_tool_prose_source == "--max-inter-tool-prose"
+    bad = make_checkpoint(tmp_path / "b", "my_model", "[behavior]\nmax_inter_tool_prose = -1\n")
+    with pytest.raises(ValueError, match=r"max_inter_tool_prose.*not a token count"):
+        choose(bad, None, "{{ messages }}")
 
 
 def test_a_recipe_turns_the_loop_watchdog_on_and_the_flag_wins(tmp_path):
@@ -232,7 +246,8 @@ def test_the_log_line_says_where_each_choice_came_from(tmp_path):
     assert choice.describe() == (
         "tool-call parser hermes (recipe qwen3 (metrale/recipes/qwen3.toml)); reasoning parser "
         "qwen3 (recipe qwen3 (metrale/recipes/qwen3.toml)); "
-        "max thinking budget 64 (--max-thinking-budget); content-loop watchdog off (default)"
+        "max thinking budget 64 (--max-thinking-budget); content-loop watchdog off (default); "
+        "max inter-tool prose none (default)"
     )
 
 

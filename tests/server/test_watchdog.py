@@ -1,9 +1,12 @@
-"""The content-loop watchdog end to end: a scripted checkpoint whose reply says one sentence
-nine times; with the watchdog on, the reply ends once the sentence has looped, as `stop` with
-`stop_reason` content_loop, and `/metrics` counts it; a request can turn it off or on."""
+"""The watchdogs end to end. The content loop: a scripted checkpoint whose reply says one
+sentence nine times; with the watchdog on, the reply ends once the sentence has looped, as
+`stop` with `stop_reason` content_loop, and `/metrics` counts it; a request can turn it off or
+on. The inter-tool prose bound: a reply that calls a tool, drifts into prose, then calls
+another ends in the prose, on every API, streaming or not, for each of `n` choices."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 
 import httpx
@@ -24,17 +27,42 @@ LOOP_ENDS_AT = 37
 THINKING_KEYWORD = " median"
 THINKING_REPLY = "<think>\n" + SENTENCE * 9 + "</think>\n\nDone."
 
+PROSE_KEYWORD = " percentile"
+PROSE = (
+    "Now that the forecast is known, let me explain at some length what it means for your "
+    "plans, and why a taxi might be wise before we book anything at all."
+)
+PROSE_REPLY = (
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+    + PROSE
+    + '\n<tool_call>\n{"name": "book_taxi", "arguments": {"destination": "Louvre"}}\n</tool_call>'
+)
+MAX_PROSE = 12  # tokens; the prose is over twice as long
+FUNCTIONS = [
+    {"name": name, "parameters": {"type": "object", "properties": {key: {"type": "string"}}}}
+    for name, key in (("get_weather", "city"), ("book_taxi", "destination"))
+]
+
 
 @pytest.fixture(scope="module")
 def scripted(tmp_path_factory: pytest.TempPathFactory) -> ScriptedCheckpoint:
-    replies = {KEYWORD: REPLY, THINKING_KEYWORD: THINKING_REPLY}
+    replies = {KEYWORD: REPLY, THINKING_KEYWORD: THINKING_REPLY, PROSE_KEYWORD: PROSE_REPLY}
     return build_scripted_checkpoint(tmp_path_factory.mktemp("looping"), replies)
 
 
 @pytest.fixture(scope="module")
 def watched(scripted, tmp_path_factory) -> Iterator[RunningServer]:
     log_path = tmp_path_factory.mktemp("serve-watchdog") / "server.log"
-    args = ("--content-loop-watchdog", "on", "--reasoning-parser", "qwen3")
+    args = (
+        "--content-loop-watchdog",
+        "on",
+        "--reasoning-parser",
+        "qwen3",
+        "--tool-call-parser",
+        "hermes",
+        "--max-inter-tool-prose",
+        str(MAX_PROSE),
+    )
     with serving(scripted.path, log_path, *args) as running:
         yield running
 
@@ -104,3 +132,75 @@ def test_a_looping_thinking_block_is_closed_not_the_reply(watched):
     assert SENTENCE * 5 in reasoning and SENTENCE * 9 not in reasoning
     assert choice["stop_reason"] != "content_loop"
     assert fires(watched, "thinking_loop") == before + 1
+
+
+def finished(server: RunningServer, reason: str) -> float:
+    text = httpx.get(server.base_url + "/metrics", timeout=10).text
+    for line in text.splitlines():
+        if line.startswith("metrale:request_success_total{") and f'"{reason}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def tool_chat(server: RunningServer, **extra) -> dict:
+    tools = [{"type": "function", "function": f} for f in FUNCTIONS]
+    return chat(server, PROSE_KEYWORD, tools=tools, **extra)
+
+
+def test_prose_between_tool_calls_past_the_bound_ends_the_turn(watched):
+    before, aborts = fires(watched, "inter_tool_prose"), finished(watched, "abort")
+    reply = tool_chat(watched, n=2)
+    for choice in reply["choices"]:
+        assert choice["finish_reason"] == "tool_calls"
+        assert choice["stop_reason"] == "inter_tool_prose"
+        message = choice["message"]
+        assert [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather"]
+        assert PROSE.startswith(message["content"].strip()) and message["content"].strip()
+    # the first call is 19 tokens, then the prose up to the bound (and the newline after it)
+    assert reply["usage"]["completion_tokens"] <= 2 * (19 + MAX_PROSE + 2)
+    assert fires(watched, "inter_tool_prose") == before + 2
+    assert finished(watched, "abort") == aborts  # ended, not aborted
+    config = httpx.get(watched.base_url + "/serve-config").json()
+    assert config["behavior_sources"]["max_inter_tool_prose"] == "--max-inter-tool-prose"
+    assert config["server"]["max_inter_tool_prose"] == MAX_PROSE
+
+
+def test_a_request_may_lift_the_bound(watched):
+    (choice,) = tool_chat(watched, max_inter_tool_prose=0)["choices"]
+    assert choice["finish_reason"] == "tool_calls" and choice["stop_reason"] is None
+    calls = choice["message"]["tool_calls"]
+    assert [c["function"]["name"] for c in calls] == ["get_weather", "book_taxi"]
+    bad = httpx.post(
+        watched.api_url + "/chat/completions",
+        json={"model": MODEL_NAME, "messages": [], "max_inter_tool_prose": -1},
+        timeout=30,
+    )
+    assert bad.status_code == 400
+
+
+def test_the_bound_ends_a_stream_and_the_other_apis_too(watched):
+    tools = [{"type": "function", "function": f} for f in FUNCTIONS]
+    messages = [{"role": "user", "content": f"Check it{PROSE_KEYWORD}"}]
+    body = {"model": MODEL_NAME, "messages": messages, "tools": tools, "stream": True}
+    names, reasons = [], []
+    with httpx.stream("POST", watched.api_url + "/chat/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            for choice in json.loads(line[6:])["choices"]:
+                names += [c["function"].get("name") for c in choice["delta"].get("tool_calls", [])]
+                reasons.append(choice["finish_reason"])
+    assert [n for n in names if n] == ["get_weather"] and reasons[-1] == "tool_calls"
+
+    anthropic_tools = [{"name": f["name"], "input_schema": f["parameters"]} for f in FUNCTIONS]
+    body = {"model": MODEL_NAME, "messages": messages, "tools": anthropic_tools, "max_tokens": 200}
+    message = httpx.post(watched.base_url + "/v1/messages", json=body, timeout=60).json()
+    assert message["stop_reason"] == "tool_use"
+    assert [b["name"] for b in message["content"] if b["type"] == "tool_use"] == ["get_weather"]
+
+    response_tools = [{"type": "function", **f} for f in FUNCTIONS]
+    body = {"model": MODEL_NAME, "input": messages[0]["content"], "tools": response_tools}
+    response = httpx.post(watched.api_url + "/responses", json=body, timeout=60).json()
+    assert response["status"] == "completed"
+    calls = [item["name"] for item in response["output"] if item["type"] == "function_call"]
+    assert calls == ["get_weather"]

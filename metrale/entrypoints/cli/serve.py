@@ -118,6 +118,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "[behavior].enable_loop_watchdog, else off)",
     )
     g.add_argument(
+        "--max-inter-tool-prose",
+        type=int,
+        metavar="TOKENS",
+        help="end a tool-calling turn whose prose since its last call reaches this many tokens "
+        "(finish_reason tool_calls, stop_reason inter_tool_prose); 0: no bound; requests may "
+        "set max_inter_tool_prose (default: the checkpoint's MODEL.toml or recipe "
+        "[behavior].max_inter_tool_prose, else none)",
+    )
+    g.add_argument(
         "--content-loop-min-repeats",
         type=int,
         default=DEFAULT_MIN_REPEATS,
@@ -293,6 +302,7 @@ async def _start_and_serve(
                 enable_loop_watchdog=None
                 if args.content_loop_watchdog is None
                 else args.content_loop_watchdog == "on",
+                max_inter_tool_prose=args.max_inter_tool_prose,
             ),
             model_dir,
             Checkpoint(
@@ -356,6 +366,7 @@ async def _start_and_serve(
                 max_thinking_budget=behavior.max_thinking_budget,
                 content_loop_watchdog=behavior.loop_watchdog,
                 content_loop_min_repeats=args.content_loop_min_repeats,
+                max_inter_tool_prose=behavior.max_inter_tool_prose,
                 disable_thinking=args.disable_thinking,
                 auto_compact=args.auto_compact,
                 access_log=not args.no_access_log,
@@ -475,6 +486,7 @@ def _effective_config(
             "reasoning_parser": behavior.reasoning_parser_source,
             "max_thinking_budget": behavior.max_thinking_budget_source,
             "content_loop_watchdog": behavior.loop_watchdog_source,
+            "max_inter_tool_prose": behavior.max_inter_tool_prose_source,
         },
         "response_store": args.response_store,
         "security": security.describe(),  # how many API keys, never the keys

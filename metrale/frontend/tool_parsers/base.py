@@ -162,6 +162,12 @@ class ToolParser(ABC):
         """How many would-be calls were left as content (TEXT)."""
 
     @property
+    def in_block(self) -> bool:
+        """Whether the parser is inside a block that is or may become a call (its text is not
+        content, or not yet): what `ChatOutputParser` does not count as prose."""
+        return False
+
+    @property
     def outcomes(self) -> dict[str, int]:
         """``{"parsed": n, "repaired": n, "text": n}`` so far; final once `finish` returned."""
         return count_outcomes(self.call_outcomes, self.num_text_outcomes)

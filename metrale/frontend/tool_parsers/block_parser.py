@@ -95,6 +95,10 @@ class BlockParser(ToolParser):
         return self.sink.call_outcomes
 
     @property
+    def in_block(self) -> bool:
+        return self._block is not None
+
+    @property
     def num_text_outcomes(self) -> int:
         return self.sink.num_text_outcomes
 

@@ -129,7 +129,7 @@ class _Reply:
         """Take an engine delta; return the block events it settles."""
         self.usage.completion_tokens += len(delta.token_ids)
         self.usage.cached_tokens = delta.num_cached_tokens
-        events = self.blocks.feed(self.parser.feed(delta.text))
+        events = self.blocks.feed(self.parser.take(delta))  # which may end the reply here
         if delta.finished:
             self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
             events += self.blocks.feed(self.parser.finish()) + self.blocks.finish()

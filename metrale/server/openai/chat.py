@@ -140,8 +140,8 @@ class _Completion:
 
     def add(self, index: int, delta: CompletionDelta) -> ChatDelta:
         """Take a choice's delta; return what its parser made of it."""
+        parsed = self.parsers[index].take(delta)  # which may end the choice here
         self.choices[index].add(delta)
-        parsed = self.parsers[index].feed(delta.text)
         if delta.finished:
             merge(parsed, self.parsers[index].finish())
         # A copy: merging grows the calls it keeps, and `parsed` is still to be sent.

@@ -98,7 +98,7 @@ class ResponseRun:
         assert self.parser is not None
         self.usage.completion_tokens += len(delta.token_ids)
         self.usage.cached_tokens = delta.num_cached_tokens
-        events = self.items.feed(self.parser.feed(delta.text))
+        events = self.items.feed(self.parser.take(delta))  # which may end the response here
         if delta.finished:
             self.finish_reason = delta.finish_reason
             events += self.items.feed(self.parser.finish())
