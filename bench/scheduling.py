@@ -8,7 +8,8 @@ small Llama for a CPU smoke run): `--streams` requests of 128 prompt tokens deco
 prompts of `--long-len` tokens arrive every `--arrival-ms`. Per policy, in the same process one
 after the other: the steady requests' time between tokens (each token's time is when `step()`
 handed it back), its p50 / p90 / p99 / max, the share of gaps over the deadline, goodput (steady
-tokens per second whose gap met the deadline), and the long prompts' TTFT.
+tokens per second whose gap met the deadline), the long prompts' TTFT, and for slai the step
+time model it learned (decode cost per step, prefill cost per token, the prefill a step gets).
 """
 
 from __future__ import annotations
@@ -103,6 +104,16 @@ def one_policy(args: argparse.Namespace, policy: str) -> dict:
     gaps = [b - a for times in token_times.values() for a, b in itertools.pairwise(times)]
     deadline = args.deadline_ms / 1e3
     ttfts = [long_first[r] - long_sent[r] for r in long_sent if r in long_first]
+    # what slai learned of the step times, and the prefill it would now give a step
+    policy_obj = core.scheduler.policy
+    fit = policy_obj.step_time.fit() if hasattr(policy_obj, "step_time") else None
+    learned = None
+    if fit is not None:
+        learned = {
+            "base_ms": 1e3 * fit[0],
+            "us_per_prefill_token": 1e6 * fit[1],
+            "prefill_budget": policy_obj.prefill_budget(args.max_prefill_tokens),
+        }
     release(core)
     return {
         "policy": policy,
@@ -121,6 +132,7 @@ def one_policy(args: argparse.Namespace, policy: str) -> dict:
             "max": 1e3 * max(ttfts) if ttfts else None,
         },
         "wall_s": wall,
+        "step_time_model": learned,
     }
 
 

@@ -68,6 +68,9 @@ class Scheduler:
         self._host_decided: dict[str, Request] = {}
         self._deadlines: list[tuple[float, str]] = []  # a heap of (deadline_s, request_id)
         self.num_thinking_loops_closed = 0  # by the watchdog, since the caller last took them
+        # When the last step's result came back, while requests were running (else None): the
+        # time to the next is what that step took, as its decodes saw it (the policy learns it).
+        self._busy_since_s: float | None = None
 
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
@@ -108,16 +111,16 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         token_budget = self.config.max_num_batched_tokens
-        prefill_budget = self.config.max_prefill_tokens
         chunks: list[ScheduledChunk] = []
         scheduled: list[Request] = []
         preempted = False
         now = self.clock()
         # The policy may hold every prefill back this step (slai, while a decode nears its
         # deadline): new prompts are not admitted, and prompts being prefilled wait a step.
+        # It also sizes the step's prefill (slai: to what keeps the step within its deadline).
         prefills = self.policy.may_admit(self.running, now)
-        if not prefills:
-            prefill_budget = 0
+        full_prefill_budget = self.policy.prefill_budget(self.config.max_prefill_tokens)
+        prefill_budget = full_prefill_budget if prefills else 0
 
         i = 0
         while i < len(self.running) and len(chunks) < self.config.max_batch_size:
@@ -169,7 +172,7 @@ class Scheduler:
             if num_new > 1:
                 prefill_budget -= num_new
 
-        if prefill_budget < self.config.max_prefill_tokens:  # some chunk has more than 1 token
+        if prefill_budget < full_prefill_budget:  # some chunk has more than 1 token
             chunks, scheduled = _one_token_chunks_first(chunks, scheduled)
         finished, self._finished_ids = self._finished_ids, []
         swap_out, self._swap_out = self._swap_out, []
@@ -225,6 +228,9 @@ class Scheduler:
         """Give the step's sampled tokens to their requests and report what changed."""
         outputs = []
         now = self.clock()
+        sizes = [c.num_tokens for c in scheduled.chunks]
+        if self._busy_since_s is not None and 1 in sizes:  # a step that decoded
+            self.policy.observe_step(sum(n for n in sizes if n > 1), now - self._busy_since_s)
         sampled = iter(zip(result.sampled_token_ids, result.logprobs, strict=True))
         for request, chunk in zip(scheduled.requests, scheduled.chunks, strict=True):
             if not chunk.samples:
@@ -254,6 +260,8 @@ class Scheduler:
                     request.stop_reason,
                 )
             )
+        if scheduled.chunks:
+            self._busy_since_s = now if self.running else None
         return outputs
 
     @staticmethod

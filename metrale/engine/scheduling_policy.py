@@ -1,6 +1,6 @@
 """What a scheduling policy decides, asked by the scheduler each step: in which order waiting
-requests are admitted, whether new prompts are admitted this step at all, and which running
-request gives up its blocks when the KV pool runs dry.
+requests are admitted, whether new prompts are admitted this step at all and how many prompt
+tokens it may prefill, and which running request gives up its blocks when the KV pool runs dry.
 
 - `fifo` (the default): arrival order; the newest running request is preempted.
 - `priority`: the lowest `priority` value first, then arrival (vLLM's `priority` field and
@@ -9,8 +9,10 @@ request gives up its blocks when the KV pool runs dry.
   time-between-tokens deadline since its last token (no new prompt is admitted, and a prompt
   being prefilled in chunks waits a step), so decodes catch up first; the queue is admitted
   front first (so nothing starves), then shortest remaining prompt first; victims as fifo.
-  It bounds how often a decode is late, not by how much: a step that prefills a chunk is as
-  long as the chunk makes it (`--max-prefill-tokens` bounds that).
+  That bounds how often a decode is late; how late, the size of each step's prefill bounds:
+  a step prefills at most the prompt tokens that keep it within 80% of the deadline, by the
+  step times seen so far (`step_time.py`; `--max-prefill-tokens` until it knows), and at
+  least SLAI_MIN_PREFILL_TOKENS, so prompts progress even when decodes alone fill the step.
 """
 
 from __future__ import annotations
@@ -21,9 +23,12 @@ from collections.abc import Iterable
 from typing import ClassVar
 
 from metrale.engine.request import Request
+from metrale.engine.step_time import StepTimeModel
 
 POLICIES = ("fifo", "priority", "slai")
 SLAI_WAIT_SHARE = 0.8  # of the deadline: a running request this close to missing it blocks prompts
+SLAI_STEP_SHARE = 0.8  # of the deadline: the time a step that prefills is planned to take
+SLAI_MIN_PREFILL_TOKENS = 32
 
 
 class SchedulingPolicy:
@@ -40,6 +45,14 @@ class SchedulingPolicy:
         """Whether prefills may run this step (new prompts, and the chunks of those being
         prefilled)."""
         return True
+
+    def prefill_budget(self, max_prefill_tokens: int) -> int:
+        """The prompt tokens this step may prefill, at most `max_prefill_tokens`."""
+        return max_prefill_tokens
+
+    def observe_step(self, prefill_tokens: int, seconds: float) -> None:
+        """A step that prefilled `prefill_tokens` took `seconds` between the tokens of the
+        requests it decoded."""
 
     def victim(self, candidates: list[Request]) -> Request:
         """The request to preempt among `candidates` (running, in admission order)."""
@@ -64,6 +77,7 @@ class SlaiPolicy(SchedulingPolicy):
         if not tbt_deadline_s > 0:
             raise ValueError(f"tbt_deadline_ms must be > 0, got {tbt_deadline_s * 1e3:g}")
         self.tbt_deadline_s = tbt_deadline_s
+        self.step_time = StepTimeModel()
 
     def admission_order(self, waiting: Iterable[Request], limit: int) -> list[Request]:
         it = iter(waiting)
@@ -81,6 +95,15 @@ class SlaiPolicy(SchedulingPolicy):
             r.last_token_time_s is not None and now_s - r.last_token_time_s >= bound
             for r in running
         )
+
+    def prefill_budget(self, max_prefill_tokens: int) -> int:
+        fits = self.step_time.prefill_tokens_within(SLAI_STEP_SHARE * self.tbt_deadline_s)
+        if fits is None:
+            return max_prefill_tokens
+        return min(max(fits, SLAI_MIN_PREFILL_TOKENS), max_prefill_tokens)
+
+    def observe_step(self, prefill_tokens: int, seconds: float) -> None:
+        self.step_time.observe(prefill_tokens, seconds)
 
 
 def make_policy(name: str, tbt_deadline_ms: float | None = None) -> SchedulingPolicy:

@@ -1,6 +1,7 @@
 """The scheduling policies (fifo, priority, slai) in the scheduler, on a fake clock with a
-scripted runner: who is admitted first, who is preempted, when slai holds new prompts back, and
-that every policy still finishes every request with its scripted tokens and frees every block."""
+scripted runner: who is admitted first, who is preempted, when slai holds new prompts back, how
+it sizes each step's prefill to the deadline from the step times it has seen, and that every
+policy still finishes every request with its scripted tokens and frees every block."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from metrale.engine.block_pool import BlockPool
 from metrale.engine.kv_cache_manager import KVCacheManager
 from metrale.engine.request import Request
 from metrale.engine.scheduler import Scheduler
+from metrale.engine.step_time import StepTimeModel
 from metrale.sampling_params import SamplingParams
 from tests.engine.fake_runner import FakeRunner
 from tests.engine.test_scheduler import expected_tokens, run_to_completion
@@ -26,14 +28,22 @@ class FakeClock:
         return self.now
 
 
-def make(policy="fifo", *, num_blocks=64, max_num_seqs=8, max_prefill_tokens=64, deadline=None):
+def make(
+    policy="fifo",
+    *,
+    num_blocks=64,
+    max_num_seqs=8,
+    max_prefill_tokens=64,
+    deadline=None,
+    max_seq_len=256,
+):
     clock = FakeClock()
     config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
         max_batch_size=max_num_seqs,
         max_prefill_tokens=max_prefill_tokens,
         max_num_batched_tokens=max_prefill_tokens + max_num_seqs,
-        max_seq_len=256,
+        max_seq_len=max_seq_len,
         policy=policy,
         tbt_deadline_ms=deadline,
     )
@@ -204,3 +214,68 @@ def test_slai_also_holds_the_next_chunk_of_a_prompt_being_prefilled():
     out = s.schedule()  # the decode just got its token: the prefill goes on
     assert sorted(r.request_id for r in out.requests) == ["decoding", "long"]
     s.update(out, FakeRunner().execute(out))
+
+
+def test_the_step_time_model_learns_base_and_per_token_cost():
+    model = StepTimeModel()
+    for _ in range(5):
+        model.observe(0, 0.010)
+    assert model.fit() is None and model.prefill_tokens_within(0.04) is None  # one size only
+    for p in (512, 0, 1024, 0, 256):
+        model.observe(p, 0.010 + 2e-5 * p)
+    base_s, s_per_token = model.fit()
+    assert base_s == pytest.approx(0.010) and s_per_token == pytest.approx(2e-5)
+    assert model.prefill_tokens_within(0.040) in (1499, 1500)  # float rounding either side
+    assert model.prefill_tokens_within(0.005) == 0  # the decodes alone take longer
+    for _ in range(200):  # the batch grew: decodes now take 30 ms; the old steps fade
+        model.observe(0, 0.030)
+        model.observe(512, 0.030 + 2e-5 * 512)
+    assert model.fit()[0] == pytest.approx(0.030, rel=1e-3)
+
+
+def _step_times(policy: str) -> tuple[list[tuple[int, float]], Scheduler, list[Request]]:
+    """Four decodes and six 240-token prompts arriving, under a 50 ms deadline, where a step
+    takes 10 ms plus 0.2 ms a prompt token: (prefill tokens, seconds) of each step."""
+    s, clock = make(
+        policy,
+        num_blocks=512,
+        max_prefill_tokens=256,
+        deadline=50 if policy == "slai" else None,
+        max_seq_len=512,
+    )
+    decodes = [req(f"d{i}", prompt_len=8, max_tokens=120) for i in range(4)]
+    prompts = [req(f"p{i}", prompt_len=240, max_tokens=4) for i in range(6)]
+    for r in decodes:
+        s.add_request(r)
+    steps: list[tuple[int, float]] = []
+
+    class TimedRunner(FakeRunner):
+        def execute(self, scheduled):
+            prefill = sum(c.num_tokens for c in scheduled.chunks if c.num_tokens > 1)
+            seconds = 0.010 + 2e-4 * prefill
+            clock.now += seconds
+            steps.append((prefill, seconds))
+            arriving = len(steps) // 12 - 1
+            if len(steps) % 12 == 0 and arriving < len(prompts):
+                s.add_request(prompts[arriving])
+            return super().execute(scheduled)
+
+    run_to_completion(s, TimedRunner())
+    return steps, s, decodes + prompts
+
+
+def test_slai_sizes_each_prefill_to_keep_steps_within_the_deadline():
+    fifo, _, _ = _step_times("fifo")
+    assert max(t for _, t in fifo) > 0.050  # a whole 240-token prompt in one step: 58 ms
+    steps, s, reqs = _step_times("slai")
+    # the first step prefills the decodes' prompts, nothing to decode beside them
+    mixed = [(p, t) for p, t in steps[1:] if p > 0]
+    assert len(mixed) > 6
+    # the first prompt that arrives is prefilled whole, by --max-prefill-tokens (nothing learned
+    # yet); the rest in chunks that keep each step within 80% of the deadline: (40 - 10) ms /
+    # 0.2 ms = 150 tokens
+    assert mixed[0] == (240, pytest.approx(0.058))
+    assert all(t <= 0.040 + 1e-9 for _, t in mixed[1:])
+    assert max(p for p, _ in mixed[1:]) >= 140  # and not much smaller than that
+    assert s.kv_cache.pool.num_free_blocks == s.kv_cache.pool.num_blocks
+    assert not s.requests  # every request finished
