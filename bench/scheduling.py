@@ -6,10 +6,10 @@ The engine core in this process on random weights of Llama-3.1-8B's shape (`--co
 small Llama for a CPU smoke run): `--streams` requests of 128 prompt tokens decode
 `--decode-len` tokens each (EOS ignored); once all have their first token, `--long-prompts`
 prompts of `--long-len` tokens arrive every `--arrival-ms`. Per policy, in the same process one
-after the other: the steady requests' time between tokens (each token's time is when `step()`
-handed it back), its p50 / p90 / p99 / max, the share of gaps over the deadline, goodput (steady
-tokens per second whose gap met the deadline), the long prompts' TTFT, and for slai the step
-time model it learned (decode cost per step, prefill cost per token, the prefill a step gets).
+after the other: the steady requests' time between tokens while the long prompts arrive (each
+token's time is when `step()` handed it back), its p50 / p90 / p99 / max, the share of gaps over
+the deadline, goodput (steady tokens per second whose gap met the deadline), the long prompts'
+TTFT, and for slai the step time model it learned and a trace of the steps that prefilled.
 """
 
 from __future__ import annotations
@@ -67,11 +67,15 @@ def one_policy(args: argparse.Namespace, policy: str) -> dict:
 
     steady = SamplingParams(temperature=0, max_tokens=args.decode_len, ignore_eos=True)
     long = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    # warm up: a long prompt and a batch of decodes, so compilation is out of the timed part
-    for i in range(4):
-        core.add_request(EngineRequest(f"warm{i}", ids(args.long_len if i == 0 else 128), long, 0))
+    # warm up: long prompts (one of an odd length, so the kernels' variants for chunk sizes
+    # that are not multiples of 16 compile here too) and a batch of decodes, so compilation is
+    # out of the timed part
+    for i in range(5):
+        n = (args.long_len, args.long_len - 37)[i] if i < 2 else 128
+        core.add_request(EngineRequest(f"warm{i}", ids(n), long, 0))
     while core.has_unfinished_requests():
         core.step()
+    trace = trace_steps(core)
     token_times: dict[str, list[float]] = {}
     for i in range(args.streams):
         core.add_request(EngineRequest(f"s{i}", ids(128), steady, 0))
@@ -101,18 +105,22 @@ def one_policy(args: argparse.Namespace, policy: str) -> dict:
     if cuda:
         torch.cuda.synchronize()
     wall = time.perf_counter() - start
-    gaps = [b - a for times in token_times.values() for a, b in itertools.pairwise(times)]
+    # the gaps while long prompts arrive: from the first token after `start` on
+    gaps = [
+        b - a for times in token_times.values() for a, b in itertools.pairwise(times) if a >= start
+    ]
     deadline = args.deadline_ms / 1e3
     ttfts = [long_first[r] - long_sent[r] for r in long_sent if r in long_first]
     # what slai learned of the step times, and the prefill it would now give a step
     policy_obj = core.scheduler.policy
-    fit = policy_obj.step_time.fit() if hasattr(policy_obj, "step_time") else None
+    fit = policy_obj.step_time.coefficients if hasattr(policy_obj, "step_time") else None
     learned = None
     if fit is not None:
         learned = {
             "base_ms": 1e3 * fit[0],
             "us_per_prefill_token": 1e6 * fit[1],
-            "prefill_budget": policy_obj.prefill_budget(args.max_prefill_tokens),
+            "us_per_1k_attention_pairs": 1e6 * fit[2],
+            "first_chunk_tokens": first_chunk(policy_obj, args.max_prefill_tokens),
         }
     release(core)
     return {
@@ -133,7 +141,67 @@ def one_policy(args: argparse.Namespace, policy: str) -> dict:
         },
         "wall_s": wall,
         "step_time_model": learned,
+        # each step that prefilled: [prefill tokens, furthest position a chunk reached, ms
+        # since the step before came back, the first chunk a prompt could have had]
+        "prefill_steps": [row for row in trace if row[0] or len(row) > 4],
     }
+
+
+def first_chunk(policy, max_prefill_tokens: int) -> int:
+    """The tokens a step would give a prompt's first chunk now."""
+    return policy.prefill_budget(max_prefill_tokens).fits(0, max_prefill_tokens)
+
+
+def compiled_variants() -> dict[str, int]:
+    """Each Triton kernel of metrale's and how many variants of it have compiled so far."""
+    import importlib
+    import pkgutil
+
+    from triton.runtime.jit import JITFunction
+
+    import metrale.kernels
+
+    counts = {}
+    for info in pkgutil.iter_modules(metrale.kernels.__path__):
+        module = importlib.import_module(f"metrale.kernels.{info.name}")
+        for name, fn in vars(module).items():
+            if isinstance(fn, JITFunction):
+                caches = getattr(fn, "device_caches", {})
+                counts[f"{info.name}.{name}"] = sum(len(c[0]) for c in caches.values())
+    return counts
+
+
+def trace_steps(core) -> list[list[float]]:
+    """From now on, a row per step the scheduler takes back (see `prefill_steps`); a step
+    during which Triton kernels compiled new variants also names them."""
+    scheduler = core.scheduler
+    rows: list[list[float]] = []
+    update, schedule = scheduler.update, scheduler.schedule
+    state = {"last": None, "budget": {}, "variants": compiled_variants()}
+
+    def traced_schedule():
+        budget = first_chunk(scheduler.policy, scheduler.config.max_prefill_tokens)
+        out = schedule()
+        state["budget"][id(out)] = budget
+        return out
+
+    def traced_update(scheduled, result):
+        now = time.perf_counter()
+        chunks = [c for c in scheduled.chunks if c.num_tokens > 1]
+        budget = state["budget"].pop(id(scheduled), None)
+        if state["last"] is not None:
+            reach = max((c.start_pos + c.num_tokens for c in chunks), default=0)
+            ms = 1e3 * (now - state["last"])
+            rows.append([sum(c.num_tokens for c in chunks), reach, round(ms, 3), budget])
+            variants = compiled_variants()
+            if grew := sorted(k for k, v in variants.items() if v > state["variants"].get(k, 0)):
+                rows[-1].append(grew)
+            state["variants"] = variants
+        state["last"] = now
+        return update(scheduled, result)
+
+    scheduler.schedule, scheduler.update = traced_schedule, traced_update
+    return rows
 
 
 def main() -> None:

@@ -30,7 +30,7 @@ from metrale.engine import watchdog
 from metrale.engine.kv_cache_manager import KVCacheManager
 from metrale.engine.messages import EngineOutput, FinishReason
 from metrale.engine.request import Request, RequestStatus
-from metrale.engine.scheduling_policy import make_policy
+from metrale.engine.scheduling_policy import PrefillBudget, make_policy
 from metrale.engine.step import (
     PENDING_TOKEN_ID,
     ModelRunnerOutput,
@@ -38,6 +38,7 @@ from metrale.engine.step import (
     SchedulerOutput,
     TokenHistory,
 )
+from metrale.engine.step_time import prefill_work
 from metrale.engine.swap_space import SwapSpace
 
 
@@ -71,6 +72,7 @@ class Scheduler:
         # When the last step's result came back, while requests were running (else None): the
         # time to the next is what that step took, as its decodes saw it (the policy learns it).
         self._busy_since_s: float | None = None
+        self._last_prefill_work = (0, 0.0)  # of the step scheduled last (step_time.py)
 
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
@@ -119,14 +121,16 @@ class Scheduler:
         # deadline): new prompts are not admitted, and prompts being prefilled wait a step.
         # It also sizes the step's prefill (slai: to what keeps the step within its deadline).
         prefills = self.policy.may_admit(self.running, now)
-        full_prefill_budget = self.policy.prefill_budget(self.config.max_prefill_tokens)
-        prefill_budget = full_prefill_budget if prefills else 0
+        prefill_budget = self.policy.prefill_budget(self.config.max_prefill_tokens)
+        if not prefills:
+            prefill_budget.hold()
 
         i = 0
         while i < len(self.running) and len(chunks) < self.config.max_batch_size:
             request = self.running[i]
+            start = request.num_computed_tokens
             num_new = self._num_tokens_to_compute(
-                self._num_unscheduled(request), token_budget, prefill_budget
+                self._num_unscheduled(request), token_budget, prefill_budget, start
             )
             if num_new == 0:
                 i += 1
@@ -144,7 +148,7 @@ class Scheduler:
                 scheduled.append(request)
                 token_budget -= num_new
                 if num_new > 1:
-                    prefill_budget -= num_new
+                    prefill_budget.spend(start, num_new)
                 i += 1
 
         room = min(
@@ -166,28 +170,30 @@ class Scheduler:
                 self.waiting.remove(request)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            start = request.num_computed_tokens
             chunks.append(self._schedule_chunk(request, num_new))
             scheduled.append(request)
             token_budget -= num_new
             if num_new > 1:
-                prefill_budget -= num_new
+                prefill_budget.spend(start, num_new)
 
-        if prefill_budget < full_prefill_budget:  # some chunk has more than 1 token
+        if prefill_budget.spent:  # some chunk has more than 1 token
             chunks, scheduled = _one_token_chunks_first(chunks, scheduled)
+        self._last_prefill_work = _prefill_work(chunks)
         finished, self._finished_ids = self._finished_ids, []
         swap_out, self._swap_out = self._swap_out, []
         swap_in, self._swap_in = self._swap_in, []
         return SchedulerOutput(chunks, finished, scheduled, swap_out, swap_in)
 
     def _claim_blocks(
-        self, request: Request, token_budget: int, prefill_budget: int, now: float
+        self, request: Request, token_budget: int, prefill_budget: PrefillBudget, now: float
     ) -> int:
         """Blocks for a waiting request's first chunk, after what the prefix cache holds of
         it; the chunk's size, or 0 when it does not fit."""
         cached_prefix = self.kv_cache.find_cached_prefix(request)
         num_cached = len(cached_prefix) * self.kv_cache.block_size
         num_new = self._num_tokens_to_compute(
-            self._num_unscheduled(request) - num_cached, token_budget, prefill_budget
+            self._num_unscheduled(request) - num_cached, token_budget, prefill_budget, num_cached
         )
         if num_new == 0 or not self.kv_cache.allocate(request, num_new, cached_prefix):
             return 0
@@ -200,17 +206,19 @@ class Scheduler:
             self.num_recomputed_tokens += max(request.num_dropped_tokens - num_cached, 0)
         return num_new
 
-    def _swap_in_blocks(self, request: Request, token_budget: int, prefill_budget: int) -> int:
+    def _swap_in_blocks(
+        self, request: Request, token_budget: int, prefill_budget: PrefillBudget
+    ) -> int:
         """Device blocks for a swapped request and its next chunk, its blocks copied back from
         the host into them (those the prefix cache still holds are taken as they are); the
         chunk's size, or 0 when it does not fit."""
         assert self.swap is not None
+        num_computed = request.num_computed_tokens
         num_new = self._num_tokens_to_compute(
-            self._num_unscheduled(request), token_budget, prefill_budget
+            self._num_unscheduled(request), token_budget, prefill_budget, num_computed
         )
         if num_new == 0:
             return 0
-        num_computed = request.num_computed_tokens
         num_host = len(self.swap.host_blocks(request.request_id))
         cached = self.kv_cache.find_cached_prefix(request)[:num_host]
         # Claimed as a fresh admission would (computed from the cached prefix on), then level.
@@ -228,9 +236,13 @@ class Scheduler:
         """Give the step's sampled tokens to their requests and report what changed."""
         outputs = []
         now = self.clock()
-        sizes = [c.num_tokens for c in scheduled.chunks]
-        if self._busy_since_s is not None and 1 in sizes:  # a step that decoded
-            self.policy.observe_step(sum(n for n in sizes if n > 1), now - self._busy_since_s)
+        if self._busy_since_s is not None and any(c.num_tokens == 1 for c in scheduled.chunks):
+            # A step that decoded. Under async scheduling the next step was launched before
+            # this one's tokens came back, so they waited for that launch too: a step that
+            # prefills, launched eagerly, delays the step before it. The time is the larger
+            # prefill's of the two.
+            work = max(_prefill_work(scheduled.chunks), self._last_prefill_work)
+            self.policy.observe_step(*work, now - self._busy_since_s)
         sampled = iter(zip(result.sampled_token_ids, result.logprobs, strict=True))
         for request, chunk in zip(scheduled.requests, scheduled.chunks, strict=True):
             if not chunk.samples:
@@ -265,10 +277,12 @@ class Scheduler:
         return outputs
 
     @staticmethod
-    def _num_tokens_to_compute(num_remaining: int, token_budget: int, prefill_budget: int) -> int:
+    def _num_tokens_to_compute(
+        num_remaining: int, token_budget: int, prefill_budget: PrefillBudget, start_pos: int
+    ) -> int:
         num_new = min(num_remaining, token_budget)
         if num_new > 1:
-            num_new = min(num_new, prefill_budget)
+            num_new = prefill_budget.fits(start_pos, num_new)
         return max(num_new, 0)
 
     def _num_unscheduled(self, request: Request) -> int:
@@ -381,6 +395,10 @@ class Scheduler:
             self.swap.free(request.request_id)
         del self.requests[request.request_id]
         self._finished_ids.append(request.request_id)
+
+
+def _prefill_work(chunks: list[ScheduledChunk]) -> tuple[int, float]:
+    return prefill_work((c.start_pos, c.num_tokens) for c in chunks if c.num_tokens > 1)
 
 
 def _one_token_chunks_first(

@@ -11,8 +11,11 @@ tokens it may prefill, and which running request gives up its blocks when the KV
   front first (so nothing starves), then shortest remaining prompt first; victims as fifo.
   That bounds how often a decode is late; how late, the size of each step's prefill bounds:
   a step prefills at most the prompt tokens that keep it within 80% of the deadline, by the
-  step times seen so far (`step_time.py`; `--max-prefill-tokens` until it knows), and at
-  least SLAI_MIN_PREFILL_TOKENS, so prompts progress even when decodes alone fill the step.
+  step times seen so far (`step_time.py`: a late chunk of a long prompt costs more than an
+  early one; `--max-prefill-tokens` alone until it knows), and at least
+  SLAI_MIN_PREFILL_TOKENS, so prompts progress even when a step that prefills cannot meet
+  the deadline at all. A step past twice the deadline (a kernel compiling, a swap storm) is
+  not learnt from.
 """
 
 from __future__ import annotations
@@ -29,6 +32,45 @@ POLICIES = ("fifo", "priority", "slai")
 SLAI_WAIT_SHARE = 0.8  # of the deadline: a running request this close to missing it blocks prompts
 SLAI_STEP_SHARE = 0.8  # of the deadline: the time a step that prefills is planned to take
 SLAI_MIN_PREFILL_TOKENS = 32
+SLAI_OUTLIER = 2.0  # steps longer than this many deadlines are not learnt from
+
+
+class PrefillBudget:
+    """What the rest of a step may prefill: `tokens`, and with a step time model, time (what
+    the step may take past its base, `seconds`). The step's first chunk may take
+    `min_tokens` whatever the time left."""
+
+    def __init__(
+        self,
+        tokens: int,
+        model: StepTimeModel | None = None,
+        seconds: float = 0.0,
+        min_tokens: int = 0,
+    ) -> None:
+        self.tokens = tokens
+        self._model = model if model is not None and model.coefficients is not None else None
+        self._seconds = seconds
+        self._min_tokens = min_tokens
+        self.spent = 0  # tokens
+
+    def hold(self) -> None:
+        """Nothing more is prefilled this step."""
+        self.tokens = 0
+
+    def fits(self, start_pos: int, wanted: int) -> int:
+        """How many of `wanted` prompt tokens from `start_pos` the step may take."""
+        n = min(wanted, self.tokens)
+        if self._model is not None and n > 1:
+            n = min(n, self._model.tokens_within(self._seconds, start_pos))
+            if not self.spent:
+                n = max(n, min(wanted, self.tokens, self._min_tokens))
+        return max(n, 0)
+
+    def spend(self, start_pos: int, num_tokens: int) -> None:
+        self.tokens -= num_tokens
+        self.spent += num_tokens
+        if self._model is not None:
+            self._seconds -= self._model.seconds(start_pos, num_tokens)
 
 
 class SchedulingPolicy:
@@ -46,13 +88,14 @@ class SchedulingPolicy:
         prefilled)."""
         return True
 
-    def prefill_budget(self, max_prefill_tokens: int) -> int:
-        """The prompt tokens this step may prefill, at most `max_prefill_tokens`."""
-        return max_prefill_tokens
+    def prefill_budget(self, max_prefill_tokens: int) -> PrefillBudget:
+        """What this step may prefill: at most `max_prefill_tokens`."""
+        return PrefillBudget(max_prefill_tokens)
 
-    def observe_step(self, prefill_tokens: int, seconds: float) -> None:
-        """A step that prefilled `prefill_tokens` took `seconds` between the tokens of the
-        requests it decoded."""
+    def observe_step(self, prefill_tokens: int, pairs: float, seconds: float) -> None:
+        """A step that prefilled `prefill_tokens` prompt tokens (`pairs` attention pairs,
+        `step_time.prefill_work`) took `seconds` between the tokens of the requests it
+        decoded."""
 
     def victim(self, candidates: list[Request]) -> Request:
         """The request to preempt among `candidates` (running, in admission order)."""
@@ -96,14 +139,16 @@ class SlaiPolicy(SchedulingPolicy):
             for r in running
         )
 
-    def prefill_budget(self, max_prefill_tokens: int) -> int:
-        fits = self.step_time.prefill_tokens_within(SLAI_STEP_SHARE * self.tbt_deadline_s)
-        if fits is None:
-            return max_prefill_tokens
-        return min(max(fits, SLAI_MIN_PREFILL_TOKENS), max_prefill_tokens)
+    def prefill_budget(self, max_prefill_tokens: int) -> PrefillBudget:
+        fit = self.step_time.coefficients
+        if fit is None:
+            return PrefillBudget(max_prefill_tokens)
+        seconds = SLAI_STEP_SHARE * self.tbt_deadline_s - fit[0]
+        return PrefillBudget(max_prefill_tokens, self.step_time, seconds, SLAI_MIN_PREFILL_TOKENS)
 
-    def observe_step(self, prefill_tokens: int, seconds: float) -> None:
-        self.step_time.observe(prefill_tokens, seconds)
+    def observe_step(self, prefill_tokens: int, pairs: float, seconds: float) -> None:
+        if seconds <= SLAI_OUTLIER * self.tbt_deadline_s:
+            self.step_time.observe(prefill_tokens, pairs, seconds)
 
 
 def make_policy(name: str, tbt_deadline_ms: float | None = None) -> SchedulingPolicy:

@@ -12,7 +12,7 @@ from metrale.engine.block_pool import BlockPool
 from metrale.engine.kv_cache_manager import KVCacheManager
 from metrale.engine.request import Request
 from metrale.engine.scheduler import Scheduler
-from metrale.engine.step_time import StepTimeModel
+from metrale.engine.step_time import StepTimeModel, chunk_pairs, prefill_work
 from metrale.sampling_params import SamplingParams
 from tests.engine.fake_runner import FakeRunner
 from tests.engine.test_scheduler import expected_tokens, run_to_completion
@@ -216,66 +216,105 @@ def test_slai_also_holds_the_next_chunk_of_a_prompt_being_prefilled():
     s.update(out, FakeRunner().execute(out))
 
 
+def _observe(model, start, n, seconds):
+    model.observe(*prefill_work([(start, n)] if n else []), seconds)
+
+
 def test_the_step_time_model_learns_base_and_per_token_cost():
     model = StepTimeModel()
     for _ in range(5):
-        model.observe(0, 0.010)
-    assert model.fit() is None and model.prefill_tokens_within(0.04) is None  # one size only
-    for p in (512, 0, 1024, 0, 256):
-        model.observe(p, 0.010 + 2e-5 * p)
-    base_s, s_per_token = model.fit()
-    assert base_s == pytest.approx(0.010) and s_per_token == pytest.approx(2e-5)
-    assert model.prefill_tokens_within(0.040) in (1499, 1500)  # float rounding either side
-    assert model.prefill_tokens_within(0.005) == 0  # the decodes alone take longer
-    for _ in range(200):  # the batch grew: decodes now take 30 ms; the old steps fade
-        model.observe(0, 0.030)
-        model.observe(512, 0.030 + 2e-5 * 512)
-    assert model.fit()[0] == pytest.approx(0.030, rel=1e-3)
+        _observe(model, 0, 0, 0.010)
+    assert model.coefficients is None  # no step prefilled
+    for n in (512, 0, 1024, 0, 256):
+        _observe(model, 0, n, 0.010 + 2e-5 * n)
+    base, per_token, per_pair = model.coefficients
+    assert base == pytest.approx(0.010) and per_token == pytest.approx(2e-5)
+    assert per_pair == pytest.approx(0, abs=1e-9)
+    assert model.tokens_within(0.030, 0) in (1499, 1500)  # float rounding either side
+    assert model.tokens_within(-0.005, 0) == 0
+    for n in [512, 1024] * 200:  # the batch grew: steps now take 20 ms more; old steps fade
+        _observe(model, 0, n, 0.030 + 2e-5 * n)
+    assert model.coefficients[0] == pytest.approx(0.030, rel=1e-3)
 
 
-def _step_times(policy: str) -> tuple[list[tuple[int, float]], Scheduler, list[Request]]:
-    """Four decodes and six 240-token prompts arriving, under a 50 ms deadline, where a step
-    takes 10 ms plus 0.2 ms a prompt token: (prefill tokens, seconds) of each step."""
+def test_a_late_chunk_of_a_long_prompt_costs_more():
+    """Attention makes a chunk's cost grow with its start: the model fits both terms and sizes
+    a chunk from its start."""
+    model = StepTimeModel()
+    per_token, per_pair = 2e-5, 1e-5  # per 1K-context token
+    for start, n in [(0, 1024), (1024, 1024), (2048, 512), (0, 0), (2560, 1536), (0, 700)] * 5:
+        _observe(model, start, n, 0.025 + per_token * n + per_pair * chunk_pairs(start, n))
+    assert model.coefficients == pytest.approx((0.025, per_token, per_pair))
+    early, late = model.tokens_within(0.011, 0), model.tokens_within(0.011, 3000)
+    assert late < early
+    for start, n in ((0, early), (3000, late)):
+        assert model.seconds(start, n) <= 0.011 < model.seconds(start, n + 1)
+
+
+def test_a_step_that_prefills_has_its_own_base():
+    """On a GPU decode-only steps replay a graph and steps that prefill launch eagerly: the
+    latter's fixed cost is theirs, not the decodes'."""
+    model = StepTimeModel()
+    for n in [0, 0, 500, 0, 0, 1500] * 10:
+        _observe(model, 0, n, 0.0066 if n == 0 else 0.025 + 2e-5 * n)
+    assert model.coefficients[:2] == pytest.approx((0.025, 2e-5))
+
+
+def test_steps_of_one_prefill_size_are_anchored_by_the_decodes():
+    model = StepTimeModel()
+    _observe(model, 0, 240, 0.058)
+    assert model.coefficients is None  # one point: no slope
+    _observe(model, 0, 0, 0.010)
+    assert model.coefficients == pytest.approx((0.010, 2e-4, 0.0))
+
+
+def _step_times(policy: str) -> tuple[list[tuple[int, float]], Scheduler]:
+    """Four decodes and six 480-token prompts arriving, under a 50 ms deadline, where a step
+    takes 10 ms, plus 0.1 ms a prompt token and 0.1 ms per 1K attention pairs of its chunks:
+    (prefill tokens, seconds) of each step."""
     s, clock = make(
         policy,
         num_blocks=512,
-        max_prefill_tokens=256,
+        max_prefill_tokens=512,
         deadline=50 if policy == "slai" else None,
         max_seq_len=512,
     )
     decodes = [req(f"d{i}", prompt_len=8, max_tokens=120) for i in range(4)]
-    prompts = [req(f"p{i}", prompt_len=240, max_tokens=4) for i in range(6)]
+    prompts = [req(f"p{i}", prompt_len=480, max_tokens=4) for i in range(6)]
     for r in decodes:
         s.add_request(r)
     steps: list[tuple[int, float]] = []
 
     class TimedRunner(FakeRunner):
         def execute(self, scheduled):
-            prefill = sum(c.num_tokens for c in scheduled.chunks if c.num_tokens > 1)
-            seconds = 0.010 + 2e-4 * prefill
+            tokens, pairs = prefill_work(
+                (c.start_pos, c.num_tokens) for c in scheduled.chunks if c.num_tokens > 1
+            )
+            seconds = 0.010 + 1e-4 * tokens + 1e-4 * pairs
             clock.now += seconds
-            steps.append((prefill, seconds))
+            steps.append((tokens, seconds))
             arriving = len(steps) // 12 - 1
             if len(steps) % 12 == 0 and arriving < len(prompts):
                 s.add_request(prompts[arriving])
             return super().execute(scheduled)
 
     run_to_completion(s, TimedRunner())
-    return steps, s, decodes + prompts
+    return steps, s
 
 
 def test_slai_sizes_each_prefill_to_keep_steps_within_the_deadline():
-    fifo, _, _ = _step_times("fifo")
-    assert max(t for _, t in fifo) > 0.050  # a whole 240-token prompt in one step: 58 ms
-    steps, s, reqs = _step_times("slai")
+    fifo, _ = _step_times("fifo")
+    assert max(t for _, t in fifo) > 0.050  # a whole 480-token prompt in one step: 69 ms
+    steps, s = _step_times("slai")
     # the first step prefills the decodes' prompts, nothing to decode beside them
     mixed = [(p, t) for p, t in steps[1:] if p > 0]
-    assert len(mixed) > 6
+    assert len(mixed) > 10
     # the first prompt that arrives is prefilled whole, by --max-prefill-tokens (nothing learned
-    # yet); the rest in chunks that keep each step within 80% of the deadline: (40 - 10) ms /
-    # 0.2 ms = 150 tokens
-    assert mixed[0] == (240, pytest.approx(0.058))
-    assert all(t <= 0.040 + 1e-9 for _, t in mixed[1:])
-    assert max(p for p, _ in mixed[1:]) >= 140  # and not much smaller than that
+    # yet); the rest in chunks (about 265 tokens from the start of a prompt, 215 after them)
+    # that keep each step within 80% of the deadline, 40 ms, once the model has seen enough
+    # steps to tell its three terms apart
+    assert mixed[0] == (480, pytest.approx(0.010 + 0.048 + 1e-4 * chunk_pairs(0, 480)))
+    assert all(t <= 0.040 + 1e-9 for _, t in mixed[3:])
+    assert max(t for _, t in mixed[3:]) > 0.039  # and not much shorter than that
     assert s.kv_cache.pool.num_free_blocks == s.kv_cache.pool.num_blocks
     assert not s.requests  # every request finished
