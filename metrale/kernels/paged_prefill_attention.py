@@ -18,11 +18,17 @@ import torch
 import triton
 import triton.language as tl
 
-from metrale.kernels.grid import cdiv, next_power_of_2
+from metrale.kernels.grid import cdiv
 from metrale.kernels.paged_kv import LOG2_E, attend_keys, check_paged_inputs, dot_dtype
 
 
-@triton.jit
+# The metadata arrive as slices past a mixed step's decode rows (`query_start_loc[n:]`), so their
+# addresses' alignment changes with the number of decodes; they are read a scalar at a time, and
+# specializing on it would compile a new variant (a second or more on the H200, stalling every
+# stream) the first time a step has an unaligned count.
+@triton.jit(
+    do_not_specialize_on_alignment=["block_tables_ptr", "query_start_loc_ptr", "seq_lens_ptr"]
+)
 def _paged_prefill_kernel(
     q_ptr,
     k_cache_ptr,
@@ -201,7 +207,9 @@ def paged_prefill_attention(
     max_block_m, block_n = (32, 16) if q.dtype == torch.float32 else (64, 64)
     if tiles is not None:  # a launch override, for the sweep in bench/prefill_attention.py
         max_block_m, block_n = tiles
-    block_m = min(max_block_m, max(16, next_power_of_2(max_query_len)))
+    # One tile height whatever the chunk: a height per power of two below it would compile a
+    # variant at the first short chunk of a run (tiles past a chunk's rows exit at once).
+    block_m = max_block_m
     grid = (cdiv(max_query_len, block_m), num_heads, num_seqs)
     _paged_prefill_kernel[grid](
         q,
