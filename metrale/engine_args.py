@@ -241,8 +241,9 @@ class EngineArgs:
             choices=list(POLICIES),
             help="the order requests are served in: fifo (arrival; vLLM's fcfs), priority "
             "(each request's priority field, lowest first), slai (deadline-aware: no new prompt "
-            "while a running request nears --tbt-deadline-ms since its last token; shortest "
-            "prompts first after the queue's front)",
+            "while a running request nears --tbt-deadline-ms since its last token, each step's "
+            "prefill sized to the deadline from the step times seen; shortest prompts first "
+            "after the queue's front)",
         )
         g.add_argument(
             "--tbt-deadline-ms",
