@@ -69,8 +69,9 @@ class Scheduler:
         self._host_decided: dict[str, Request] = {}
         self._deadlines: list[tuple[float, str]] = []  # a heap of (deadline_s, request_id)
         self.num_thinking_loops_closed = 0  # by the watchdog, since the caller last took them
-        # When the last step's result came back, while requests were running (else None): the
-        # time to the next is what that step took, as its decodes saw it (the policy learns it).
+        # When the last step's result came back, while requests were running (else None; and
+        # always None for a policy that does not learn step times): the time to the next is
+        # what that step took, as its decodes saw it.
         self._busy_since_s: float | None = None
         self._last_prefill_work = (0, 0.0)  # of the step scheduled last (step_time.py)
 
@@ -179,7 +180,8 @@ class Scheduler:
 
         if prefill_budget.spent:  # some chunk has more than 1 token
             chunks, scheduled = _one_token_chunks_first(chunks, scheduled)
-        self._last_prefill_work = _prefill_work(chunks)
+        if self.policy.learns_step_times:
+            self._last_prefill_work = _prefill_work(chunks)
         finished, self._finished_ids = self._finished_ids, []
         swap_out, self._swap_out = self._swap_out, []
         swap_in, self._swap_in = self._swap_in, []
@@ -237,10 +239,10 @@ class Scheduler:
         outputs = []
         now = self.clock()
         if self._busy_since_s is not None and any(c.num_tokens == 1 for c in scheduled.chunks):
-            # A step that decoded. Under async scheduling the next step was launched before
-            # this one's tokens came back, so they waited for that launch too: a step that
-            # prefills, launched eagerly, delays the step before it. The time is the larger
-            # prefill's of the two.
+            # A step that decoded (under a policy that learns step times: else this is None).
+            # Under async scheduling the next step was launched before this one's tokens came
+            # back, so they waited for that launch too: a step that prefills, launched eagerly,
+            # delays the step before it. The time is the larger prefill's of the two.
             work = max(_prefill_work(scheduled.chunks), self._last_prefill_work)
             self.policy.observe_step(*work, now - self._busy_since_s)
         sampled = iter(zip(result.sampled_token_ids, result.logprobs, strict=True))
@@ -272,7 +274,7 @@ class Scheduler:
                     request.stop_reason,
                 )
             )
-        if scheduled.chunks:
+        if scheduled.chunks and self.policy.learns_step_times:
             self._busy_since_s = now if self.running else None
         return outputs
 

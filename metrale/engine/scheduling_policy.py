@@ -77,6 +77,9 @@ class SchedulingPolicy:
     """fifo: arrival order, newest running request preempted first."""
 
     name: ClassVar[str] = "fifo"
+    # Whether the scheduler times steps for `observe_step` (only slai learns from them, so the
+    # others cost the hot path nothing).
+    learns_step_times: ClassVar[bool] = False
 
     def admission_order(self, waiting: Iterable[Request], limit: int) -> list[Request]:
         """At most `limit` waiting requests, in the order to try admitting them (the scheduler
@@ -115,6 +118,7 @@ class PriorityPolicy(SchedulingPolicy):
 
 class SlaiPolicy(SchedulingPolicy):
     name: ClassVar[str] = "slai"
+    learns_step_times: ClassVar[bool] = True
 
     def __init__(self, tbt_deadline_s: float) -> None:
         if not tbt_deadline_s > 0:
