@@ -69,6 +69,11 @@ class SamplingParams:
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
+    # llama.cpp's truncation samplers (runner/truncation.py); the defaults are off
+    top_n_sigma: float = -1.0  # <= 0: off
+    typical_p: float = 1.0
+    xtc_threshold: float = 0.1
+    xtc_probability: float = 0.0
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -108,6 +113,14 @@ class SamplingParams:
             _fail("top_p", self.top_p, "must be in (0, 1]")
         if not (0.0 <= self.min_p <= 1.0):
             _fail("min_p", self.min_p, "must be in [0, 1]")
+        if not math.isfinite(self.top_n_sigma):
+            _fail("top_n_sigma", self.top_n_sigma, "must be a finite number (<= 0 disables it)")
+        if not (0.0 < self.typical_p <= 1.0):
+            _fail("typical_p", self.typical_p, "must be in (0, 1] (1 disables it)")
+        if not (0.0 <= self.xtc_threshold <= 1.0):
+            _fail("xtc_threshold", self.xtc_threshold, "must be in [0, 1]")
+        if not (0.0 <= self.xtc_probability <= 1.0):
+            _fail("xtc_probability", self.xtc_probability, "must be in [0, 1] (0 disables XTC)")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not (-2.0 <= value <= 2.0):
@@ -145,6 +158,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def truncates(self) -> bool:
+        """Whether a llama.cpp truncation sampler is on (runner/truncation.py)."""
+        return self.top_n_sigma > 0 or self.typical_p < 1.0 or self.xtc_probability > 0
 
     @property
     def has_penalties(self) -> bool:

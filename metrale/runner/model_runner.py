@@ -32,6 +32,7 @@ from metrale.runner.input_buffers import InputBuffers
 from metrale.runner.kv_cache import PagedKVCache, SwapTiming
 from metrale.runner.sampler import LogitBias, Penalties, SamplerOutput, SamplingMetadata, sample
 from metrale.runner.structured_output import StructuredOutputs
+from metrale.runner.truncation import Truncation
 from metrale.sampling_params import SamplingParams
 
 
@@ -303,6 +304,7 @@ class ModelRunner:
             ],
             max_num_logprobs=max(logprobs) if logprobs else None,
             logit_bias=self._logit_bias(params),
+            truncation=self._truncation(params),
             penalties=self._penalties(chunks),
             forced=[
                 (row, c.forced_token_id)
@@ -324,6 +326,24 @@ class ModelRunner:
             raise RuntimeError("structured output requested but the engine has no grammar backend")
         bitmask, grammar_rows = self.structured_outputs.bitmask(rows, len(chunks), self.device)
         return {"grammar_bitmask": bitmask, "grammar_rows": grammar_rows}
+
+    def _truncation(self, params: list[SamplingParams]) -> Truncation | None:
+        """The sampled rows that use top-nσ, typical or XTC; None when none does."""
+        rows = [row for row, p in enumerate(params) if p.truncates and not p.greedy]
+        if not rows:
+            return None
+        used = [params[row] for row in rows]
+        return Truncation(
+            rows=self._tensor(rows, torch.int64),
+            host_rows=tuple(rows),
+            top_n_sigma=self._tensor([p.top_n_sigma for p in used], torch.float32),
+            typical_p=self._tensor([p.typical_p for p in used], torch.float32),
+            xtc_threshold=self._tensor([p.xtc_threshold for p in used], torch.float32),
+            xtc_probability=self._tensor([p.xtc_probability for p in used], torch.float32),
+            any_top_n_sigma=any(p.top_n_sigma > 0 for p in used),
+            any_typical=any(p.typical_p < 1.0 for p in used),
+            any_xtc=any(p.xtc_probability > 0 for p in used),
+        )
 
     def _logit_bias(self, params: list[SamplingParams]) -> LogitBias | None:
         rows, token_ids, values = [], [], []

@@ -3,7 +3,8 @@
 One pass serves a whole batch of mixed requests. In vLLM's order: logprobs are read from the raw
 logits; then banned tokens (min_tokens), logit bias and the repetition, frequency and presence
 penalties reshape the logits, so they steer greedy rows too; then greedy rows take the argmax and
-the others go through temperature, top-k, top-p and min-p and draw by the exponential race
+the others go through llama.cpp's top-nσ, typical and XTC where they ask for them
+(`truncation.py`), then temperature, top-k, top-p and min-p and draw by the exponential race
 (argmax of p / q with q ~ Exp(1), the same distribution as sampling from p). A seeded request
 draws its noise from its own generator, so its tokens depend on its seed alone, whatever else
 shares the batch. Nothing here syncs with the host.
@@ -14,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+from metrale.runner.truncation import Truncation, truncate
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,7 @@ class SamplingMetadata:
     forced: list[tuple[int, int]] = field(default_factory=list)  # (row, the only token allowed)
     grammar_bitmask: torch.Tensor | None = None  # [num_rows, vocab_size / 32] int32 (xgrammar)
     grammar_rows: list[int] = field(default_factory=list)  # the rows the bitmask applies to
+    truncation: Truncation | None = None  # None: no sampled row uses top-nσ, typical or XTC
 
 
 @dataclass(frozen=True)
@@ -81,6 +85,8 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         token_ids = greedy_ids
     else:
         is_greedy = meta.temperature == 0
+        if meta.truncation is not None:  # at temperature 1, as llama.cpp's chain has them
+            logits = truncate(logits, meta.truncation, meta.generators)
         temperature = torch.where(is_greedy, 1.0, meta.temperature)
         logits = logits / temperature.unsqueeze(1)
         if meta.any_top_k_or_p:

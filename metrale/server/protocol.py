@@ -126,7 +126,25 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class SamplingFields(_Body):
+class TruncationFields(_Body):
+    """llama.cpp's truncation samplers, as llama.cpp's server names them (runner/truncation.py);
+    accepted on every API's body. None leaves the engine's default (off)."""
+
+    top_n_sigma: float | None = None  # <= 0: off
+    typical_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    xtc_threshold: Annotated[float, Field(ge=0, le=1)] | None = None
+    xtc_probability: Annotated[float, Field(ge=0, le=1)] | None = None
+
+    def truncation_fields(self) -> dict[str, float]:
+        """The fields this request set, to pass on as they are."""
+        return {
+            name: value
+            for name in TruncationFields.model_fields
+            if (value := getattr(self, name)) is not None
+        }
+
+
+class SamplingFields(TruncationFields):
     """Sampling knobs shared by chat and completions (OpenAI's, plus vLLM's extras)."""
 
     model: str | None = None
@@ -219,6 +237,7 @@ class SamplingFields(_Body):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             content_loop_min_repeats=repeats if watchdog_on else 0,
+            **self.truncation_fields(),
         )
 
 

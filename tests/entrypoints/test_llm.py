@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from metrale import LLM, SamplingParams
@@ -170,6 +172,22 @@ def test_frequency_penalty_breaks_greedy_repetition(llm):
 
     assert most_repeated(0.0) >= 6, "the unpenalised run loops on a few tokens"
     assert most_repeated(2.0) <= 2
+
+
+def test_truncation_samplers_shape_what_is_sampled_in_the_engine(llm):
+    """A tiny top-nσ leaves only the top logit: hot sampling gives the greedy tokens; XTC that
+    always fires with a low threshold never gives the greedy token where two pass it."""
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    expected = llm.generate("story", greedy, use_tqdm=False)[0].outputs[0].token_ids
+    hot = SamplingParams(temperature=1.5, max_tokens=12, ignore_eos=True, top_n_sigma=1e-4)
+    for seed in (1, 2):
+        params = dataclasses.replace(hot, seed=seed)
+        assert llm.generate("story", params, use_tqdm=False)[0].outputs[0].token_ids == expected
+    xtc = SamplingParams(
+        temperature=1.0, max_tokens=1, seed=3, xtc_threshold=1e-6, xtc_probability=1.0
+    )
+    first = llm.generate("story", xtc, use_tqdm=False)[0].outputs[0].token_ids
+    assert first != expected[:1]  # every token passes the threshold: the top ones are cut
 
 
 def test_thinking_budget_forces_the_block_closed(llm):

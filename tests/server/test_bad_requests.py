@@ -81,6 +81,9 @@ CASES = [
     ("top_p above one", CHAT, chat(top_p=1.5), 400, "top_p"),
     ("top_k below -1", CHAT, chat(top_k=-2), 400, "top_k"),
     ("min_p above one", CHAT, chat(min_p=1.5), 400, "min_p"),
+    ("typical_p zero", CHAT, chat(typical_p=0), 400, "typical_p"),
+    ("xtc_probability above one", COMPLETIONS, completion(xtc_probability=1.5), 400, "xtc"),
+    ("top_n_sigma not a number", CHAT, chat(top_n_sigma="wide"), 400, "top_n_sigma"),
     ("max_tokens zero", CHAT, chat(max_tokens=0), 400, "max_tokens"),
     ("max_tokens negative", CHAT, chat(max_tokens=-5), 400, "max_tokens"),
     ("max_tokens float", CHAT, chat(max_tokens=1.5), 400, "max_tokens"),
@@ -464,6 +467,7 @@ RESPONSES_CASES = [
     ),
     ("add no items", CONVERSATIONS + "/conv_nope/items", {"items": []}, 400, "items"),
     ("cancel an unknown response", RESPONSES + "/resp_nope/cancel", {}, 404, "resp_nope"),
+    ("typical_p above one", RESPONSES, response(typical_p=1.5), 400, "typical_p"),
 ]
 
 
@@ -540,6 +544,7 @@ ANTHROPIC_CASES = [
         "tools.0.name",
     ),
     ("invalid json", MESSAGES, b'{"model": ', 400, "JSON"),
+    ("xtc_threshold above one", MESSAGES, message(xtc_threshold=2), 400, "xtc_threshold"),
 ]
 
 

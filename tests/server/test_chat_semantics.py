@@ -184,3 +184,37 @@ def test_always_include_usage(qwen3_dir, tmp_path):
         assert '"usage":{"prompt_tokens"' in lines[-1], "no usage chunk without asking for it"
     finally:
         assert stop_server(server) == 0, server.log()
+
+
+def test_llama_cpp_truncation_knobs_reach_the_sampler_on_every_api(client, server):
+    """top_n_sigma near 0 leaves only the top logit: hot sampling gives the greedy reply, through
+    chat (the SDK's extra_body), completions, Anthropic messages and responses."""
+    greedy = client.chat.completions.create(
+        model=MODEL_NAME, messages=USER, max_tokens=8, temperature=0
+    )
+    expected = greedy.choices[0].message.content
+    hot = {"top_n_sigma": 1e-4, "seed": 5}
+    chat = client.chat.completions.create(
+        model=MODEL_NAME, messages=USER, max_tokens=8, temperature=1.5, extra_body=hot
+    )
+    assert chat.choices[0].message.content == expected
+    anthropic_body = {
+        "model": MODEL_NAME,
+        "max_tokens": 8,
+        "messages": USER,
+        "temperature": 1.0,
+        "top_n_sigma": 1e-4,
+    }
+    message = httpx.post(server.base_url + "/v1/messages", json=anthropic_body, timeout=60).json()
+    text = "".join(b.get("text", "") for b in message["content"] if b["type"] == "text")
+    assert text == expected
+    response_body = {
+        "model": MODEL_NAME,
+        "input": USER[0]["content"],
+        "max_output_tokens": 8,
+        "temperature": 1.5,
+        **hot,
+    }
+    response = httpx.post(server.api_url + "/responses", json=response_body, timeout=60).json()
+    items = [i for i in response["output"] if i["type"] == "message"]
+    assert "".join(c["text"] for c in items[0]["content"]) == expected

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Discriminator, Field, Tag, model_validator
 
-from metrale.server.protocol import MAX_TOOLS, ContentPart, _Body, _Open
+from metrale.server.protocol import MAX_TOOLS, ContentPart, TruncationFields, _Body, _Open
 
 MAX_INPUT_ITEMS = 10_000
 MAX_METADATA_KEYS = 16
@@ -103,7 +103,7 @@ class ConversationRef(_Body):
     id: Annotated[str, Field(min_length=1)]
 
 
-class ResponsesRequest(_Body):
+class ResponsesRequest(TruncationFields):
     model: str | None = None
     input: str | Annotated[list[InputItem], Field(max_length=MAX_INPUT_ITEMS)] | None = None
     instructions: str | None = None

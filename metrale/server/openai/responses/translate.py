@@ -142,6 +142,7 @@ def chat_request(
             top_p=body.top_p,
             top_k=body.top_k,
             min_p=body.min_p,
+            **body.truncation_fields(),
             seed=body.seed,
             presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty,
