@@ -508,6 +508,46 @@ def b1(results: dict) -> None:
 B2_MODELS = {"qwen3_0.6b": QWEN3_06B, "llama_8b": LLAMA_8B}
 
 
+def b2_workload(**knobs) -> tuple[list[list[int]], list[int], list[SamplingParams]]:
+    """B2's 256 prompts (seed 0), their output lengths, and their sampling (temperature 0.6,
+    seeded; `knobs` added to every request's)."""
+    g = torch.Generator().manual_seed(0)
+    lens_in = torch.randint(100, 1025, (256,), generator=g).tolist()
+    lens_out = torch.randint(100, 1025, (256,), generator=g).tolist()
+    prompts = [torch.randint(0, 10000, (n,), generator=g).tolist() for n in lens_in]
+    params = [
+        SamplingParams(temperature=0.6, max_tokens=n, ignore_eos=True, seed=i, **knobs)
+        for i, n in enumerate(lens_out)
+    ]
+    return prompts, lens_out, params
+
+
+def b2_knobs(results: dict) -> None:
+    """B2 (Qwen3-0.6B) with llama.cpp's truncation samplers on every request against none, in
+    one engine: what a batch that uses them pays."""
+    core = engine(
+        QWEN3_06B,
+        max_seq_len=4096,
+        max_num_seqs=256,
+        max_prefill_tokens=8192,
+        gpu_memory_utilization=0.85,
+    )
+    prompts, _, _ = b2_workload()
+    run(core, prompts[:4], [SamplingParams(max_tokens=8)] * 4)
+    variants = {
+        "none": {},
+        "top_n_sigma": {"top_n_sigma": 1.0},
+        "all_three": {"top_n_sigma": 1.0, "typical_p": 0.95, "xtc_probability": 0.5},
+        "none_again": {},
+    }
+    for name, knobs in variants.items():
+        _, _, params = b2_workload(**knobs)
+        seconds, tokens = run(core, prompts, params)
+        results[f"b2_knobs_{name}"] = {"output_tokens_per_s": tokens / seconds, "knobs": knobs}
+        print(f"B2 qwen3_0.6b knobs {name}: {tokens / seconds:.0f} output tok/s")
+    release(core)
+
+
 def b2(results: dict, models: tuple[str, ...] = tuple(B2_MODELS)) -> None:
     """nano-vllm's benchmark: 256 sequences, input and output lengths U[100, 1024].
 
@@ -522,14 +562,7 @@ def b2(results: dict, models: tuple[str, ...] = tuple(B2_MODELS)) -> None:
             max_prefill_tokens=8192,
             gpu_memory_utilization=0.85,
         )
-        g = torch.Generator().manual_seed(0)
-        lens_in = torch.randint(100, 1025, (256,), generator=g).tolist()
-        lens_out = torch.randint(100, 1025, (256,), generator=g).tolist()
-        prompts = [torch.randint(0, 10000, (n,), generator=g).tolist() for n in lens_in]
-        params = [
-            SamplingParams(temperature=0.6, max_tokens=n, ignore_eos=True, seed=i)
-            for i, n in enumerate(lens_out)
-        ]
+        prompts, lens_out, params = b2_workload()
         run(core, prompts[:4], [SamplingParams(max_tokens=8)] * 4)
         seconds, tokens = run(core, prompts, params)
         results[f"b2_{name}"] = {
@@ -684,7 +717,17 @@ def main() -> None:
     parser.add_argument(
         "benchmarks",
         nargs="+",
-        choices=["b1", "b2", "b3", "b3_swap", "b5", "profile", "profile_b3", "profile_b5"],
+        choices=[
+            "b1",
+            "b2",
+            "b2_knobs",
+            "b3",
+            "b3_swap",
+            "b5",
+            "profile",
+            "profile_b3",
+            "profile_b5",
+        ],
     )
     parser.add_argument("--scheduler-config", choices=["sync", "async"], default="async")
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
