@@ -78,6 +78,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # the penalties look at the last this many tokens of prompt and output only (llama.cpp's
+    # penalty_last_n); 0: the whole sequence
+    repetition_penalty_window: int = 0
     logit_bias: dict[int, float] | None = None
     max_tokens: int | None = 16
     min_tokens: int = 0
@@ -127,6 +130,12 @@ class SamplingParams:
                 _fail(name, value, "must be in [-2, 2]")
         if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
             _fail("repetition_penalty", self.repetition_penalty, "must be a finite number > 0")
+        if self.repetition_penalty_window < 0:
+            _fail(
+                "repetition_penalty_window",
+                self.repetition_penalty_window,
+                "must be >= 0 (0: the whole sequence)",
+            )
         for token_id, bias in (self.logit_bias or {}).items():
             if token_id < 0 or not (-100.0 <= bias <= 100.0):
                 _fail(

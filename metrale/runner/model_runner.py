@@ -25,6 +25,7 @@ from metrale.engine.step import (
     ModelRunnerOutput,
     ScheduledChunk,
     SchedulerOutput,
+    TokenHistory,
 )
 from metrale.layers.attention import AttentionMetadata, StepBatch, metadata_builder
 from metrale.runner.cuda_graphs import DecodeGraphs
@@ -366,16 +367,19 @@ class ModelRunner:
         if not rows:
             return None
         params = [chunks[row].sampling_params for row in rows]
-        histories = [chunks[row].token_history for row in rows]
+        windows = [
+            _window(chunks[row].token_history, p.repetition_penalty_window)
+            for row, p in zip(rows, params, strict=True)
+        ]
         # Only the repetition penalty reads the prompt, which may be long: ship it only then.
         prompt_ids = [
-            h.prompt_token_ids if p.repetition_penalty != 1.0 else []
-            for h, p in zip(histories, params, strict=True)
+            prompt if p.repetition_penalty != 1.0 else []
+            for (prompt, _), p in zip(windows, params, strict=True)
         ]
         return Penalties(
             rows=self._tensor(rows, torch.int64),
             prompt_ids=self._padded_ids(prompt_ids),
-            output_ids=self._padded_ids([h.output_token_ids for h in histories]),
+            output_ids=self._padded_ids([output for _, output in windows]),
             presence=self._tensor([p.presence_penalty for p in params], torch.float32),
             frequency=self._tensor([p.frequency_penalty for p in params], torch.float32),
             repetition=self._tensor([p.repetition_penalty for p in params], torch.float32),
@@ -468,3 +472,15 @@ def prefill_probe(num_tokens: int, block_size: int) -> SchedulerOutput:
         SamplingParams(temperature=0.0),
     )
     return SchedulerOutput([chunk])
+
+
+def _window(history: TokenHistory | None, window: int) -> tuple[list[int], list[int]]:
+    """The prompt and output ids the penalties see: the last `window` tokens of the sequence
+    (all of it for 0), the output's counting first."""
+    assert history is not None
+    prompt, output = history.prompt_token_ids, history.output_token_ids
+    if not window:
+        return prompt, output
+    output = output[-window:]
+    from_prompt = window - len(output)
+    return (prompt[len(prompt) - from_prompt :] if from_prompt > 0 else []), output

@@ -160,6 +160,8 @@ class SamplingFields(TruncationFields):
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
     repetition_penalty: Annotated[float, Field(gt=0, le=10)] = 1.0
+    # the penalties see only the last this many tokens (llama.cpp's repeat_last_n); 0: all
+    repetition_penalty_window: Annotated[int, Field(ge=0)] = 0
     logit_bias: (
         Annotated[
             dict[str, Annotated[float, Field(ge=-100, le=100)]], Field(max_length=MAX_LOGIT_BIAS)
@@ -227,6 +229,7 @@ class SamplingFields(TruncationFields):
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
+            repetition_penalty_window=self.repetition_penalty_window,
             logit_bias=logit_bias,
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,

@@ -273,6 +273,34 @@ def test_runner_packs_histories_into_metadata_the_sampler_applies():
         torch.testing.assert_close(adjusted[row], expected, rtol=1e-6, atol=1e-5)
 
 
+@pytest.mark.parametrize("window", [1, 3, 7, 12, 1000])
+def test_a_penalty_window_counts_only_the_last_tokens(window):
+    """repetition_penalty_window N: the penalties see the last N tokens of prompt + output, as
+    llama.cpp's penalty_last_n: the reference on that tail (its output part counting for
+    frequency and presence)."""
+    prompt, output = [1, 2, 3, 4, 5, 6, 7, 8], [9, 9, 3, 10, 11]
+    params = SamplingParams(
+        temperature=0,
+        repetition_penalty=1.5,
+        frequency_penalty=0.5,
+        presence_penalty=0.3,
+        repetition_penalty_window=window,
+    )
+    meta = make_runner()._sampling_metadata([chunk(0, params, TokenHistory(prompt, output))])
+    logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(window)) * 3
+    adjusted = logits.clone()
+    _adjust_logits(adjusted, meta)
+    tail_output = output[-window:]
+    tail_prompt = prompt[len(prompt) - (window - len(tail_output)) :] if window > 5 else []
+    expected = reference(logits[0], params, tail_prompt, tail_output)
+    torch.testing.assert_close(adjusted[0], expected, rtol=1e-6, atol=1e-5)
+    if window < len(prompt + output):
+        whole = reference(logits[0], params, prompt, output)
+        assert not torch.allclose(adjusted[0], whole)
+    with pytest.raises(ValueError, match="repetition_penalty_window"):
+        SamplingParams(repetition_penalty_window=-1)
+
+
 def test_runner_metadata_has_no_penalty_or_bias_pass_when_no_row_asks():
     chunks = [chunk(row, SamplingParams(temperature=0), None) for row in range(3)]
     meta = make_runner()._sampling_metadata(chunks)

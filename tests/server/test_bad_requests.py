@@ -82,6 +82,7 @@ CASES = [
     ("top_k below -1", CHAT, chat(top_k=-2), 400, "top_k"),
     ("min_p above one", CHAT, chat(min_p=1.5), 400, "min_p"),
     ("typical_p zero", CHAT, chat(typical_p=0), 400, "typical_p"),
+    ("negative penalty window", CHAT, chat(repetition_penalty_window=-2), 400, "window"),
     ("xtc_probability above one", COMPLETIONS, completion(xtc_probability=1.5), 400, "xtc"),
     ("top_n_sigma not a number", CHAT, chat(top_n_sigma="wide"), 400, "top_n_sigma"),
     ("max_tokens zero", CHAT, chat(max_tokens=0), 400, "max_tokens"),
