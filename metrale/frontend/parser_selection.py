@@ -35,6 +35,7 @@ from metrale.recipes import (
     Behavior,
     Checkpoint,
     Recipe,
+    SamplingPresets,
     behavior_value_problem,
     checkpoint_recipe,
     local_recipes,
@@ -58,6 +59,7 @@ class Source:
 
     label: str  # FLAGS for the command line, else e.g. "recipe qwen3 (metrale/recipes/...)"
     behavior: Behavior
+    sampling: SamplingPresets | None = None  # a recipe's [sampling] presets
 
     def label_for(self, field: str) -> str:
         if self.label != FLAGS:
@@ -79,6 +81,8 @@ class BehaviorChoice:
     loop_watchdog_source: str = "default"
     max_inter_tool_prose: int | None = None  # tokens; None: no bound
     max_inter_tool_prose_source: str = "default"
+    sampling_presets: SamplingPresets | None = None  # None: generation_config.json's alone
+    sampling_presets_source: str = "none"
 
     def describe(self) -> str:
         budget = "none" if self.max_thinking_budget is None else f"{self.max_thinking_budget}"
@@ -116,17 +120,17 @@ def behavior_sources(
             raise ValueError(f"--{field.replace('_', '-')} {value!r} {problem}")
     sources = [Source(FLAGS, flags)]
     if (own := checkpoint_recipe(model_dir)) is not None:
-        sources.append(Source(f"checkpoint's {own.path}", own.behavior))
+        sources.append(Source(f"checkpoint's {own.path}", own.behavior, own.sampling))
     local = local_recipes() if local is None else local
     if (best_local := match_recipe(checkpoint, local)) is not None:
         label = f"local recipe {best_local.name} ({best_local.path})"
-        sources.append(Source(label, best_local.behavior))
+        sources.append(Source(label, best_local.behavior, best_local.sampling))
     overridden = {r.name for r in local}  # a local file of a shipped one's name replaces it
     shipped = shipped_recipes() if recipes is None else recipes
     best_shipped = match_recipe(checkpoint, [r for r in shipped if r.name not in overridden])
     if best_shipped is not None:
         label = f"recipe {best_shipped.name} ({best_shipped.path})"
-        sources.append(Source(label, best_shipped.behavior))
+        sources.append(Source(label, best_shipped.behavior, best_shipped.sampling))
     defaults = model_type_defaults(checkpoint.model_type)
     sources.append(Source(f"tool_defaults.toml, model_type {checkpoint.model_type}", defaults))
     return tuple(sources)
@@ -152,6 +156,8 @@ def choose_behavior(sources: Sequence[Source], chat_template: str) -> BehaviorCh
         budget, budget_from = None, f"thinking_steering = false in {steering_from}"
     watchdog, watchdog_from = _first(sources, "enable_loop_watchdog")
     prose, prose_from = _first(sources, "max_inter_tool_prose")
+    # the first source with a [sampling] table gives both presets
+    presets = next((s for s in sources if s.sampling is not None), None)
     return BehaviorChoice(
         None if tool in (None, NONE) else tool,
         None if reasoning in (None, NONE) else reasoning,
@@ -163,6 +169,8 @@ def choose_behavior(sources: Sequence[Source], chat_template: str) -> BehaviorCh
         watchdog_from,
         prose or None,
         prose_from,
+        presets.sampling if presets is not None else None,
+        presets.label if presets is not None else "none",
     )
 
 

@@ -15,6 +15,11 @@ A recipe is a TOML file with two tables:
     enable_loop_watchdog = true    # end a generation that loops (`--content-loop-watchdog`)
     max_inter_tool_prose = 256     # tokens of prose between tool calls (`--max-inter-tool-prose`)
 
+    [sampling.thinking]            # the default sampling of a turn that thinks, and of one that
+    temperature = 0.6              # does not ([sampling.non_thinking]); keys: PRESET_KEYS. A
+    top_p = 0.95                   # request's own values win; what a preset leaves out comes
+    top_k = 20                     # from generation_config.json, as without presets
+
 Recipes come from three places, consulted in this order (the first that makes a choice wins):
 
 1. the checkpoint's own `MODEL.toml` beside config.json; it applies to that checkpoint (its
@@ -37,7 +42,7 @@ import fnmatch
 import os
 import tomllib
 from collections.abc import Iterable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -107,12 +112,59 @@ class Match:
         return (int(bool(self.repo_ids)), glob_len, num_keys)
 
 
+# The SamplingParams fields a [sampling.*] preset may set: those a request leaves unset by
+# omitting them, so that its own values always win.
+PRESET_KEYS = ("temperature", "top_k", "top_p", "min_p", "top_n_sigma", "typical_p")
+
+
+@dataclass(frozen=True)
+class SamplingPresets:
+    """A recipe's `[sampling.thinking]` and `[sampling.non_thinking]`: the default sampling of a
+    turn that thinks and of one that does not (empty: that mode has none)."""
+
+    thinking: dict[str, float] = field(default_factory=dict)
+    non_thinking: dict[str, float] = field(default_factory=dict)
+
+    def for_turn(self, thinks: bool) -> dict[str, float]:
+        return self.thinking if thinks else self.non_thinking
+
+
 @dataclass(frozen=True)
 class Recipe:
     name: str  # the file's stem for a shipped or local recipe; "MODEL.toml" for a checkpoint's
     path: str  # for messages and source labels
     match: Match | None  # None: no [match] table (a checkpoint's MODEL.toml may omit it)
     behavior: Behavior
+    sampling: SamplingPresets | None = None  # None: no [sampling] table
+
+
+def parse_sampling(table: Any, where: str) -> SamplingPresets:
+    """A `[sampling]` table: its `thinking` and `non_thinking` presets, each checked as the
+    sampling parameters it makes."""
+    from metrale.sampling_params import SamplingParams
+
+    _check_table(table, where, SamplingPresets)
+    presets = {}
+    for mode, preset in table.items():
+        if not isinstance(preset, dict):
+            raise RecipeError(f"{where}.{mode} must be a table")
+        unknown = sorted(set(preset) - set(PRESET_KEYS))
+        if unknown:
+            raise RecipeError(
+                f"{where}.{mode}: unknown key {', '.join(unknown)}: known keys are "
+                f"{', '.join(PRESET_KEYS)}"
+            )
+        for key, value in preset.items():
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise RecipeError(f"{where}.{mode}: {key} = {value!r} is not a number")
+            if key == "top_k" and not isinstance(value, int):
+                raise RecipeError(f"{where}.{mode}: top_k = {value!r} is not an integer")
+        try:
+            SamplingParams(**preset)
+        except ValueError as e:
+            raise RecipeError(f"{where}.{mode}: {e}") from None
+        presets[mode] = dict(preset)
+    return SamplingPresets(**presets)
 
 
 def parse_behavior(table: Any, where: str) -> Behavior:
@@ -147,11 +199,11 @@ def parse_recipe(text: str, path: str, name: str, *, require_match: bool) -> Rec
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise RecipeError(f"{path} is not valid TOML: {e}") from None
-    unknown = sorted(set(doc) - {"match", "behavior"})
+    unknown = sorted(set(doc) - {"match", "behavior", "sampling"})
     if unknown:
         raise RecipeError(
-            f"{path}: unknown table or key {', '.join(unknown)}: a recipe has [match] and "
-            f"[behavior]"
+            f"{path}: unknown table or key {', '.join(unknown)}: a recipe has [match], "
+            f"[behavior] and [sampling.thinking] / [sampling.non_thinking]"
         )
     if require_match and "match" not in doc:
         raise RecipeError(
@@ -160,7 +212,8 @@ def parse_recipe(text: str, path: str, name: str, *, require_match: bool) -> Rec
         )
     match = _parse_match(doc["match"], f"{path} [match]") if "match" in doc else None
     behavior = parse_behavior(doc.get("behavior", {}), f"{path} [behavior]")
-    return Recipe(name, path, match, behavior)
+    sampling = parse_sampling(doc["sampling"], f"{path} [sampling]") if "sampling" in doc else None
+    return Recipe(name, path, match, behavior, sampling)
 
 
 def shipped_recipes() -> list[Recipe]:

@@ -214,10 +214,13 @@ def plan_generation(
     if structured is not None:
         state.check_structured_output(structured)
     try:
+        thinks = state.settings.reasoning_parser is not None and (
+            template_kwargs(state, body).get("enable_thinking") is not False
+        )
         params = body.sampling_params(
             max_tokens,
             logprobs,
-            state.config.generation.sampling_overrides(),
+            state.settings.sampling_defaults(state.config.generation.sampling_overrides(), thinks),
             state.settings.loop_watchdog,
         )
     except ValueError as e:

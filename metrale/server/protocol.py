@@ -202,7 +202,8 @@ class SamplingFields(TruncationFields):
         defaults: dict[str, Any],
         loop_watchdog: tuple[bool, int] = (False, DEFAULT_MIN_REPEATS),
     ) -> SamplingParams:
-        """The engine's parameters; the checkpoint's defaults fill what the request left out,
+        """The engine's parameters; the defaults (a recipe's preset, generation_config.json's)
+        fill the sampling knobs the request left out,
         the server's content-loop watchdog (on, repeats) what it did not say of the watchdog."""
         watchdog_on = (
             loop_watchdog[0] if self.content_loop_watchdog is None else self.content_loop_watchdog
@@ -222,8 +223,9 @@ class SamplingFields(TruncationFields):
             "min_p": self.min_p,
             "top_k": None if self.top_k is None else max(self.top_k, 0),
         }
+        chosen = {k: v for k, v in chosen.items() if v is not None} | self.truncation_fields()
         return SamplingParams(
-            **{**defaults, **{k: v for k, v in chosen.items() if v is not None}},
+            **{**defaults, **chosen},
             n=1,
             seed=self.seed,
             presence_penalty=self.presence_penalty,
@@ -240,7 +242,6 @@ class SamplingFields(TruncationFields):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             content_loop_min_repeats=repeats if watchdog_on else 0,
-            **self.truncation_fields(),
         )
 
 

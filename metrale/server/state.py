@@ -10,6 +10,7 @@ from typing import Any
 from metrale.engine.watchdog import DEFAULT_MIN_REPEATS
 from metrale.engine_args import EngineConfig
 from metrale.frontend.async_llm import AsyncLLM
+from metrale.recipes import SamplingPresets
 from metrale.runner.structured_output import StructuredOutputs
 from metrale.sampling_params import SamplingParams, StructuredOutput
 from metrale.server.errors import APIError, model_not_found
@@ -31,6 +32,8 @@ class ServerSettings:
     content_loop_watchdog: bool = False  # on for requests that do not say
     content_loop_min_repeats: int = DEFAULT_MIN_REPEATS
     max_inter_tool_prose: int | None = None  # tokens of prose between calls; None: no bound
+    # a recipe's [sampling.thinking] / [sampling.non_thinking]; None: generation_config.json's
+    sampling_presets: SamplingPresets | None = None
 
     def __post_init__(self) -> None:
         if not 2 <= self.content_loop_min_repeats <= SamplingParams.MAX_LOOP_REPEATS:
@@ -38,6 +41,13 @@ class ServerSettings:
                 f"--content-loop-min-repeats {self.content_loop_min_repeats}: must be in "
                 f"[2, {SamplingParams.MAX_LOOP_REPEATS}]"
             )
+
+    def sampling_defaults(self, generation: dict[str, Any], thinks: bool) -> dict[str, Any]:
+        """What a request leaves unset is sampled with: the preset of its kind of turn over
+        `generation` (generation_config.json's defaults)."""
+        if self.sampling_presets is None:
+            return generation
+        return {**generation, **self.sampling_presets.for_turn(thinks)}
 
     @property
     def loop_watchdog(self) -> tuple[bool, int]:

@@ -390,3 +390,38 @@ def test_a_checkpoint_model_toml_needs_no_match_table(tmp_path):
 def test_a_bad_flag_is_an_error_naming_the_flag(tmp_path, flags, message):
     with pytest.raises(ValueError, match=message):
         choose(make_checkpoint(tmp_path, "qwen3"), flags=flags)
+
+
+def test_sampling_presets_come_from_the_first_source_that_has_them(tmp_path):
+    shipped = choose(make_checkpoint(tmp_path, "qwen3"), "Qwen/Qwen3-8B")
+    assert shipped.sampling_presets is not None and "qwen3" in shipped.sampling_presets_source
+    assert shipped.sampling_presets.for_turn(True) == {
+        "temperature": 0.6,
+        "top_p": 0.95,
+        "top_k": 20,
+        "min_p": 0.0,
+    }
+    assert shipped.sampling_presets.for_turn(False)["top_p"] == 0.8
+    own = make_checkpoint(tmp_path / "own", "qwen3", "[sampling.non_thinking]\ntemperature = 0.2\n")
+    mine = choose(own, "Qwen/Qwen3-8B")
+    assert "MODEL.toml" in mine.sampling_presets_source
+    assert mine.sampling_presets.for_turn(True) == {}  # its table replaces the recipe's whole
+    assert mine.sampling_presets.for_turn(False) == {"temperature": 0.2}
+    none = choose(make_checkpoint(tmp_path / "none", "llama"))
+    assert none.sampling_presets is None and none.sampling_presets_source == "none"
+
+
+@pytest.mark.parametrize(
+    ("table", "problem"),
+    [
+        ("[sampling.thinking]\nseed = 3\n", "unknown key seed"),
+        ("[sampling.sometimes]\ntemperature = 1.0\n", "unknown key sometimes"),
+        ("[sampling.thinking]\ntop_p = 1.5\n", "top_p=1.5 is out of range"),
+        ("[sampling.thinking]\ntop_k = 2.5\n", "not an integer"),
+        ('[sampling.thinking]\ntemperature = "hot"\n', "not a number"),
+        ("[sampling]\nthinking = 1\n", "must be a table"),
+    ],
+)
+def test_bad_sampling_presets_are_errors_naming_the_file(tmp_path, table, problem):
+    with pytest.raises(ValueError, match=problem):
+        choose(make_checkpoint(tmp_path, "qwen3", table))

@@ -367,6 +367,7 @@ async def _start_and_serve(
                 content_loop_watchdog=behavior.loop_watchdog,
                 content_loop_min_repeats=args.content_loop_min_repeats,
                 max_inter_tool_prose=behavior.max_inter_tool_prose,
+                sampling_presets=behavior.sampling_presets,
                 disable_thinking=args.disable_thinking,
                 auto_compact=args.auto_compact,
                 access_log=not args.no_access_log,
@@ -487,6 +488,7 @@ def _effective_config(
             "max_thinking_budget": behavior.max_thinking_budget_source,
             "content_loop_watchdog": behavior.loop_watchdog_source,
             "max_inter_tool_prose": behavior.max_inter_tool_prose_source,
+            "sampling_presets": behavior.sampling_presets_source,
         },
         "response_store": args.response_store,
         "security": security.describe(),  # how many API keys, never the keys
