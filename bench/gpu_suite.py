@@ -522,16 +522,21 @@ def b2_workload(**knobs) -> tuple[list[list[int]], list[int], list[SamplingParam
     return prompts, lens_out, params
 
 
-def b2_knobs(results: dict) -> None:
-    """B2 (Qwen3-0.6B) with llama.cpp's truncation samplers on every request against none, in
-    one engine: what a batch that uses them pays."""
-    core = engine(
-        QWEN3_06B,
+def b2_engine(config: dict) -> EngineCore:
+    """B2's engine: 256 sequences at once, 8k-token prefill chunks."""
+    return engine(
+        config,
         max_seq_len=4096,
         max_num_seqs=256,
         max_prefill_tokens=8192,
         gpu_memory_utilization=0.85,
     )
+
+
+def b2_knobs(results: dict) -> None:
+    """B2 (Qwen3-0.6B) with llama.cpp's truncation samplers on every request against none, in
+    one engine: what a batch that uses them pays."""
+    core = b2_engine(QWEN3_06B)
     prompts, _, _ = b2_workload()
     run(core, prompts[:4], [SamplingParams(max_tokens=8)] * 4)
     variants = {
@@ -555,13 +560,7 @@ def b2(results: dict, models: tuple[str, ...] = tuple(B2_MODELS)) -> None:
     1,024 steps), so one device call of 10 minutes holds one model's run (`--b2-models`)."""
     for name in models:
         config = B2_MODELS[name]
-        core = engine(
-            config,
-            max_seq_len=4096,
-            max_num_seqs=256,
-            max_prefill_tokens=8192,
-            gpu_memory_utilization=0.85,
-        )
+        core = b2_engine(config)
         prompts, lens_out, params = b2_workload()
         run(core, prompts[:4], [SamplingParams(max_tokens=8)] * 4)
         seconds, tokens = run(core, prompts, params)
