@@ -52,6 +52,24 @@ class StructuredOutput:
 
 
 @dataclass(frozen=True)
+class DryBreakers:
+    """DRY's sequence breakers as token ids (resolved from strings by the frontend,
+    `frontend/dry_breakers.py`): `single` tokens each end a repeat alone; each of `sequences`
+    (a head token, then its tail) ends one when all of it is present."""
+
+    single: tuple[int, ...] = ()
+    sequences: tuple[tuple[int, ...], ...] = ()
+
+    @property
+    def empty(self) -> bool:
+        return not self.single and not self.sequences
+
+
+# llama.cpp's default breakers (common/common.h)
+DEFAULT_DRY_BREAKERS = ("\n", ":", '"', "*")
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How to pick each next token and when to stop.
 
@@ -60,8 +78,12 @@ class SamplingParams:
     Hugging Face (repetition: over prompt and output). `stop` strings are matched on the text
     by the frontend; the engine sees only token ids. `logprobs=N` returns the sampled token's
     log-probability plus the top N; the values are those of the model's raw distribution
-    (before temperature and filters), as in vLLM. `kept_special_token_ids`: special tokens
-    that stay in the text even with `skip_special_tokens` (a tool-call format's markers).
+    (before temperature and filters), as in vLLM. DRY (`dry_*`) and the LZ penalty
+    (`lz_penalty`) follow llama.cpp and Ginart et al. (runner/repeat_penalties.py); DRY's
+    breakers reach the engine as `dry_breakers`, token ids the frontend resolved from
+    `dry_sequence_breakers` (unresolved, None, DRY runs without breakers).
+    `kept_special_token_ids`: special tokens that stay in the text even with
+    `skip_special_tokens` (a tool-call format's markers).
     """
 
     n: int = 1
@@ -81,6 +103,15 @@ class SamplingParams:
     # the penalties look at the last this many tokens of prompt and output only (llama.cpp's
     # penalty_last_n); 0: the whole sequence
     repetition_penalty_window: int = 0
+    # DRY and the LZ penalty (runner/repeat_penalties.py): off while the multiplier and the
+    # strength are 0. `dry_breakers` is None until the frontend resolves the strings.
+    dry_multiplier: float = 0.0
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = -1  # -1: the whole sequence; 0: DRY off
+    dry_sequence_breakers: tuple[str, ...] = DEFAULT_DRY_BREAKERS
+    dry_breakers: DryBreakers | None = None
+    lz_penalty: float = 0.0
     logit_bias: dict[int, float] | None = None
     max_tokens: int | None = 16
     min_tokens: int = 0
@@ -98,11 +129,13 @@ class SamplingParams:
     content_loop_min_repeats: int = 0
 
     MAX_LOGPROBS = 20
+    MAX_DRY_BREAKERS = 32
     MAX_LOOP_REPEATS = 1000
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "kept_special_token_ids", tuple(self.kept_special_token_ids))
+        object.__setattr__(self, "dry_sequence_breakers", tuple(self.dry_sequence_breakers))
         object.__setattr__(
             self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         )
@@ -136,6 +169,7 @@ class SamplingParams:
                 self.repetition_penalty_window,
                 "must be >= 0 (0: the whole sequence)",
             )
+        self._check_repeat_penalties()
         for token_id, bias in (self.logit_bias or {}).items():
             if token_id < 0 or not (-100.0 <= bias <= 100.0):
                 _fail(
@@ -164,6 +198,31 @@ class SamplingParams:
         if any(t < 0 for t in self.stop_token_ids):
             _fail("stop_token_ids", list(self.stop_token_ids), "token ids must be >= 0")
 
+    def _check_repeat_penalties(self) -> None:
+        if not math.isfinite(self.dry_multiplier) or self.dry_multiplier < 0:
+            _fail("dry_multiplier", self.dry_multiplier, "must be a finite number >= 0 (0: off)")
+        if not math.isfinite(self.dry_base) or self.dry_base < 1:
+            _fail("dry_base", self.dry_base, "must be a finite number >= 1")
+        if self.dry_allowed_length < 0:
+            _fail("dry_allowed_length", self.dry_allowed_length, "must be >= 0")
+        if self.dry_penalty_last_n < -1:
+            _fail(
+                "dry_penalty_last_n",
+                self.dry_penalty_last_n,
+                "must be >= -1 (-1: the whole sequence, 0: DRY off)",
+            )
+        breakers = self.dry_sequence_breakers
+        if len(breakers) > self.MAX_DRY_BREAKERS or any(
+            not isinstance(b, str) or not b for b in breakers
+        ):
+            _fail(
+                "dry_sequence_breakers",
+                list(breakers),
+                f"must be at most {self.MAX_DRY_BREAKERS} non-empty strings",
+            )
+        if not math.isfinite(self.lz_penalty) or self.lz_penalty < 0:
+            _fail("lz_penalty", self.lz_penalty, "must be a finite number >= 0 (0: off)")
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
@@ -172,6 +231,16 @@ class SamplingParams:
     def truncates(self) -> bool:
         """Whether a llama.cpp truncation sampler is on (runner/truncation.py)."""
         return self.top_n_sigma > 0 or self.typical_p < 1.0 or self.xtc_probability > 0
+
+    @property
+    def uses_dry(self) -> bool:
+        return self.dry_multiplier > 0 and self.dry_penalty_last_n != 0
+
+    @property
+    def tracks_repeats(self) -> bool:
+        """Whether DRY or the LZ penalty is on: the runner keeps the request's history on the
+        device (runner/repeat_history.py)."""
+        return self.uses_dry or self.lz_penalty > 0
 
     @property
     def has_penalties(self) -> bool:

@@ -316,7 +316,7 @@ class Scheduler:
             banned += (thinking.start_token_id,)
         samples = end == request.num_tokens + request.num_pending_tokens
         history = None
-        if samples and params.has_penalties:
+        if samples and (params.has_penalties or params.tracks_repeats):
             history = TokenHistory(request.prompt_token_ids, request.output_token_ids)
         structured = None if request.inside_thinking else params.structured
         opener = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from metrale.engine.messages import EngineRequest
+from metrale.frontend.dry_breakers import resolve_dry_breakers
 from metrale.sampling_params import SamplingParams
 from metrale.tokenizer import Tokenizer
 
@@ -28,4 +29,5 @@ class InputProcessor:
             raise ValueError(
                 f"prompt must be a string or a list of token ids, not {type(prompt).__name__}"
             )
+        params = resolve_dry_breakers(params, self.tokenizer)
         return text, EngineRequest(request_id, token_ids, params, time.monotonic())

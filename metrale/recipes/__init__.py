@@ -114,7 +114,31 @@ class Match:
 
 # The SamplingParams fields a [sampling.*] preset may set: those a request leaves unset by
 # omitting them, so that its own values always win.
-PRESET_KEYS = ("temperature", "top_k", "top_p", "min_p", "top_n_sigma", "typical_p")
+PRESET_KEYS = (
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "top_n_sigma",
+    "typical_p",
+    "xtc_threshold",
+    "xtc_probability",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "repetition_penalty_window",
+    "dry_multiplier",
+    "dry_base",
+    "dry_allowed_length",
+    "dry_penalty_last_n",
+    "lz_penalty",
+)
+INTEGER_PRESET_KEYS = (
+    "top_k",
+    "repetition_penalty_window",
+    "dry_allowed_length",
+    "dry_penalty_last_n",
+)
 
 
 @dataclass(frozen=True)
@@ -157,8 +181,8 @@ def parse_sampling(table: Any, where: str) -> SamplingPresets:
         for key, value in preset.items():
             if isinstance(value, bool) or not isinstance(value, int | float):
                 raise RecipeError(f"{where}.{mode}: {key} = {value!r} is not a number")
-            if key == "top_k" and not isinstance(value, int):
-                raise RecipeError(f"{where}.{mode}: top_k = {value!r} is not an integer")
+            if key in INTEGER_PRESET_KEYS and not isinstance(value, int):
+                raise RecipeError(f"{where}.{mode}: {key} = {value!r} is not an integer")
         try:
             SamplingParams(**preset)
         except ValueError as e:

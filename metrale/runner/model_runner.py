@@ -31,6 +31,8 @@ from metrale.layers.attention import AttentionMetadata, StepBatch, metadata_buil
 from metrale.runner.cuda_graphs import DecodeGraphs
 from metrale.runner.input_buffers import InputBuffers
 from metrale.runner.kv_cache import PagedKVCache, SwapTiming
+from metrale.runner.repeat_history import RepeatHistory
+from metrale.runner.repeat_penalties import RepeatPenalties
 from metrale.runner.sampler import LogitBias, Penalties, SamplerOutput, SamplingMetadata, sample
 from metrale.runner.structured_output import StructuredOutputs
 from metrale.runner.truncation import Truncation
@@ -81,6 +83,8 @@ class ModelRunner:
             device,
         )
         self._generators: dict[str, torch.Generator] = {}
+        self.max_seq_len = scheduler_config.max_seq_len
+        self.repeat_history: RepeatHistory | None = None  # made for the first DRY or LZ request
         self._num_samples = 0
         self.num_graph_replays = 0
         # The latest step's sampled ids, on the device, and its sampling chunks (one per row):
@@ -149,6 +153,8 @@ class ModelRunner:
     def _launch(self, scheduled: SchedulerOutput) -> LaunchedStep:
         for request_id in scheduled.finished_request_ids:
             self._generators.pop(request_id, None)
+            if self.repeat_history is not None:
+                self.repeat_history.free(request_id)
             if self.structured_outputs is not None:
                 self.structured_outputs.drop(request_id)
         chunks = scheduled.chunks
@@ -170,6 +176,8 @@ class ModelRunner:
         metadata = self._sampling_metadata(sampling_chunks)
         self._record_inputs_copied()
         result = sample(logits.float(), metadata)
+        if metadata.repeats is not None:
+            self.repeat_history.append(metadata.repeats, result.token_ids)
         self._last_samples = result.token_ids
         self._last_sampling_chunks = sampling_chunks
         step = self._copy_to_host(result, sampling_chunks)
@@ -307,6 +315,7 @@ class ModelRunner:
             logit_bias=self._logit_bias(params),
             truncation=self._truncation(params),
             penalties=self._penalties(chunks),
+            repeats=self._repeats(chunks),
             forced=[
                 (row, c.forced_token_id)
                 for row, c in enumerate(chunks)
@@ -346,6 +355,17 @@ class ModelRunner:
             any_xtc=any(p.xtc_probability > 0 for p in used),
         )
 
+    def _repeats(self, chunks: list[ScheduledChunk]) -> RepeatPenalties | None:
+        """The rows using DRY or the LZ penalty, over their histories on the device."""
+        rows = [(row, c) for row, c in enumerate(chunks) if c.sampling_params.tracks_repeats]
+        if not rows:
+            return None
+        if self.repeat_history is None:
+            self.repeat_history = RepeatHistory(
+                self.max_seq_len, self.model_config.vocab_size, self.device
+            )
+        return self.repeat_history.prepare(rows)
+
     def _logit_bias(self, params: list[SamplingParams]) -> LogitBias | None:
         rows, token_ids, values = [], [], []
         for row, p in enumerate(params):
@@ -363,7 +383,7 @@ class ModelRunner:
 
     def _penalties(self, chunks: list[ScheduledChunk]) -> Penalties | None:
         """The penalty rows' token histories, padded on the host; None when no row has any."""
-        rows = [row for row, c in enumerate(chunks) if c.token_history is not None]
+        rows = [row for row, c in enumerate(chunks) if c.sampling_params.has_penalties]
         if not rows:
             return None
         params = [chunks[row].sampling_params for row in rows]

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from metrale.runner.repeat_penalties import RepeatPenalties, apply_repeat_penalties
 from metrale.runner.truncation import Truncation, truncate
 
 
@@ -62,6 +63,7 @@ class SamplingMetadata:
     grammar_bitmask: torch.Tensor | None = None  # [num_rows, vocab_size / 32] int32 (xgrammar)
     grammar_rows: list[int] = field(default_factory=list)  # the rows the bitmask applies to
     truncation: Truncation | None = None  # None: no sampled row uses top-nσ, typical or XTC
+    repeats: RepeatPenalties | None = None  # None: no row uses DRY or the LZ penalty
 
 
 @dataclass(frozen=True)
@@ -119,6 +121,8 @@ def _adjust_logits(logits: torch.Tensor, meta: SamplingMetadata) -> None:
         logits.index_put_((bias.rows, bias.token_ids), bias.values, accumulate=True)
     if meta.penalties is not None:
         _apply_penalties(logits, meta.penalties)
+    if meta.repeats is not None:  # after the penalties, as in llama.cpp's chain
+        apply_repeat_penalties(logits, meta.repeats)
     if meta.grammar_bitmask is not None:
         from xgrammar import apply_token_bitmask_inplace
 

@@ -23,6 +23,7 @@ from metrale.engine.client import EngineDeadError
 from metrale.engine.core import validate_request
 from metrale.engine.messages import EngineRequest
 from metrale.frontend.async_llm import RequestRejectedError
+from metrale.frontend.dry_breakers import resolve_dry_breakers
 from metrale.frontend.output_processor import CompletionDelta
 from metrale.outputs import PositionLogprobs
 from metrale.sampling_params import SamplingParams
@@ -99,6 +100,7 @@ def prepare(
     priority: int = 0,
 ) -> PreparedPrompt:
     """Validate before anything is queued or streamed; failures are 400s."""
+    params = resolve_dry_breakers(params, state.tokenizer)
     if priority != 0 and state.config.scheduler.policy != "priority":
         raise APIError(
             f"priority={priority}: this server schedules {state.config.scheduler.policy}; "

@@ -126,25 +126,45 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class TruncationFields(_Body):
-    """llama.cpp's truncation samplers, as llama.cpp's server names them (runner/truncation.py);
-    accepted on every API's body. None leaves the engine's default (off)."""
+class ExtraSamplingFields(_Body):
+    """Sampling knobs past each API's own, accepted on every API's body (chat, completions,
+    messages, responses) under the names vLLM's and llama.cpp's servers give them. None leaves
+    the default in force: a recipe's preset, else the engine's (off)."""
 
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0, le=10)] | None = None
+    # the penalties see only the last this many tokens (llama.cpp's repeat_last_n); 0: all
+    repetition_penalty_window: Annotated[int, Field(ge=0)] | None = None
+    # llama.cpp's truncation samplers (runner/truncation.py)
     top_n_sigma: float | None = None  # <= 0: off
     typical_p: Annotated[float, Field(gt=0, le=1)] | None = None
     xtc_threshold: Annotated[float, Field(ge=0, le=1)] | None = None
     xtc_probability: Annotated[float, Field(ge=0, le=1)] | None = None
+    # DRY and the LZ penalty (runner/repeat_penalties.py)
+    dry_multiplier: Annotated[float, Field(ge=0)] | None = None  # 0: off
+    dry_base: Annotated[float, Field(ge=1)] | None = None
+    dry_allowed_length: Annotated[int, Field(ge=0)] | None = None
+    dry_penalty_last_n: Annotated[int, Field(ge=-1)] | None = None  # -1: all; 0: off
+    dry_sequence_breakers: (
+        Annotated[
+            list[Annotated[str, Field(min_length=1)]],
+            Field(max_length=SamplingParams.MAX_DRY_BREAKERS),
+        ]
+        | None
+    ) = None
+    lz_penalty: Annotated[float, Field(ge=0)] | None = None  # 0: off
 
-    def truncation_fields(self) -> dict[str, float]:
+    def extra_sampling_fields(self) -> dict[str, Any]:
         """The fields this request set, to pass on as they are."""
         return {
             name: value
-            for name in TruncationFields.model_fields
+            for name in ExtraSamplingFields.model_fields
             if (value := getattr(self, name)) is not None
         }
 
 
-class SamplingFields(TruncationFields):
+class SamplingFields(ExtraSamplingFields):
     """Sampling knobs shared by chat and completions (OpenAI's, plus vLLM's extras)."""
 
     model: str | None = None
@@ -157,11 +177,6 @@ class SamplingFields(TruncationFields):
     stop: str | list[str] | None = None
     stop_token_ids: Annotated[TokenIds, Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     include_stop_str_in_output: bool = False
-    presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
-    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
-    repetition_penalty: Annotated[float, Field(gt=0, le=10)] = 1.0
-    # the penalties see only the last this many tokens (llama.cpp's repeat_last_n); 0: all
-    repetition_penalty_window: Annotated[int, Field(ge=0)] = 0
     logit_bias: (
         Annotated[
             dict[str, Annotated[float, Field(ge=-100, le=100)]], Field(max_length=MAX_LOGIT_BIAS)
@@ -223,15 +238,11 @@ class SamplingFields(TruncationFields):
             "min_p": self.min_p,
             "top_k": None if self.top_k is None else max(self.top_k, 0),
         }
-        chosen = {k: v for k, v in chosen.items() if v is not None} | self.truncation_fields()
+        chosen = {k: v for k, v in chosen.items() if v is not None} | self.extra_sampling_fields()
         return SamplingParams(
             **{**defaults, **chosen},
             n=1,
             seed=self.seed,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
-            repetition_penalty_window=self.repetition_penalty_window,
             logit_bias=logit_bias,
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -230,6 +230,10 @@ class Tokenizer:
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def decode_each(self, token_ids: Iterable[int]) -> list[str]:
+        """Each token's text decoded alone, special tokens included."""
+        return self._backend.decode_batch([[t] for t in token_ids], skip_special_tokens=False)
 
     def convert_ids_to_tokens(self, token_ids: Sequence[int]) -> list[str]:
         """Vocabulary entries (byte-level ones read like 'Ġhello'), for logprobs and debugging."""

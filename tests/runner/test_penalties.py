@@ -331,3 +331,24 @@ def test_scheduler_shares_histories_only_with_sampling_chunks_that_have_penaltie
     assert history is not None
     assert history.prompt_token_ids is penalised.prompt_token_ids
     assert history.output_token_ids is penalised.output_token_ids, "shared, not copied"
+
+
+def test_dry_and_lz_requests_get_histories_but_never_make_async_steps_wait():
+    """The counting penalties are decided on the host from every token so far, so a step waits
+    for its predecessor's; DRY and the LZ penalty read the history the device keeps."""
+    config = SchedulerConfig(
+        max_num_seqs=4,
+        max_batch_size=4,
+        max_prefill_tokens=64,
+        max_num_batched_tokens=64,
+        max_seq_len=64,
+    )
+    scheduler = Scheduler(config, KVCacheManager(BlockPool(32, enable_prefix_caching=False), 4))
+    dry = Request("dry", [1, 2, 3], SamplingParams(dry_multiplier=0.8, lz_penalty=0.1))
+    scheduler.add_request(dry)
+    step = scheduler.schedule()
+    assert step.chunks[0].token_history is not None
+    assert not scheduler.needs_pending_tokens()  # its token is pending: no wait
+    scheduler.add_request(Request("pen", [4, 5], SamplingParams(presence_penalty=1.0)))
+    scheduler.schedule()
+    assert scheduler.needs_pending_tokens()

@@ -85,6 +85,13 @@ CASES = [
     ("negative penalty window", CHAT, chat(repetition_penalty_window=-2), 400, "window"),
     ("xtc_probability above one", COMPLETIONS, completion(xtc_probability=1.5), 400, "xtc"),
     ("top_n_sigma not a number", CHAT, chat(top_n_sigma="wide"), 400, "top_n_sigma"),
+    ("dry_base below one", CHAT, chat(dry_multiplier=0.8, dry_base=0.5), 400, "dry_base"),
+    ("negative dry_multiplier", COMPLETIONS, completion(dry_multiplier=-1), 400, "dry_multiplier"),
+    ("dry_penalty_last_n below -1", CHAT, chat(dry_penalty_last_n=-2), 400, "dry_penalty_last_n"),
+    ("empty dry breaker", CHAT, chat(dry_sequence_breakers=["\n", ""]), 400, "dry_sequence"),
+    ("dry breakers not strings", CHAT, chat(dry_sequence_breakers=[5]), 400, "dry_sequence"),
+    ("too many dry breakers", CHAT, chat(dry_sequence_breakers=["a"] * 33), 400, "dry_sequence"),
+    ("negative lz_penalty", COMPLETIONS, completion(lz_penalty=-0.5), 400, "lz_penalty"),
     ("max_tokens zero", CHAT, chat(max_tokens=0), 400, "max_tokens"),
     ("max_tokens negative", CHAT, chat(max_tokens=-5), 400, "max_tokens"),
     ("max_tokens float", CHAT, chat(max_tokens=1.5), 400, "max_tokens"),
@@ -341,6 +348,7 @@ def user_item(*parts):
 RESPONSES_CASES = [
     ("invalid json", RESPONSES, b'{"model": ', 400, "JSON"),
     ("no input at all", RESPONSES, {"model": MODEL_NAME}, 400, "input"),
+    ("empty dry breaker", RESPONSES, response(dry_sequence_breakers=[""]), 400, "dry_sequence"),
     ("input a number", RESPONSES, response(input=5), 400, "input"),
     ("max_output_tokens zero", RESPONSES, response(max_output_tokens=0), 400, "max_output_tokens"),
     ("unknown role", RESPONSES, response(input=[{"role": "wizard", "content": "x"}]), 400, "role"),
@@ -546,6 +554,8 @@ ANTHROPIC_CASES = [
     ),
     ("invalid json", MESSAGES, b'{"model": ', 400, "JSON"),
     ("xtc_threshold above one", MESSAGES, message(xtc_threshold=2), 400, "xtc_threshold"),
+    ("dry_base below one", MESSAGES, message(dry_base=0.2), 400, "dry_base"),
+    ("negative lz_penalty", MESSAGES, message(lz_penalty=-1), 400, "lz_penalty"),
 ]
 
 

@@ -218,3 +218,55 @@ def test_llama_cpp_truncation_knobs_reach_the_sampler_on_every_api(client, serve
     response = httpx.post(server.api_url + "/responses", json=response_body, timeout=60).json()
     items = [i for i in response["output"] if i["type"] == "message"]
     assert "".join(c["text"] for c in items[0]["content"]) == expected
+
+
+REPEAT_KNOBS = {
+    "dry_multiplier": 3.0,
+    "dry_allowed_length": 1,
+    "dry_sequence_breakers": ["\n", "."],
+    "lz_penalty": 0.8,
+}
+
+
+def test_dry_and_lz_reach_the_sampler_on_every_api(client, server, qwen3_dir):
+    """With DRY and the LZ penalty, a completion from token ids and a chat turn say what the
+    offline engine says on the same checkpoint, prompt and knobs (the completion not what
+    greedy says); Anthropic messages and responses say what chat says."""
+    from metrale import LLM, SamplingParams
+
+    llm = LLM(model_from_path=str(qwen3_dir), dtype="float32", max_seq_len=512)
+    knobs = {**REPEAT_KNOBS, "dry_sequence_breakers": tuple(REPEAT_KNOBS["dry_sequence_breakers"])}
+
+    def offline(prompt: list[int]) -> str:
+        params = SamplingParams(temperature=0, max_tokens=12, **knobs)
+        return llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].text
+
+    prompt = [17, 93, 4, 17, 93, 4, 17, 93, 4, 17, 93]
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 12, "temperature": 0}
+    completions = server.api_url + "/completions"
+    text = httpx.post(completions, json={**body, **REPEAT_KNOBS}, timeout=60).json()
+    greedy = httpx.post(completions, json=body, timeout=60).json()
+    assert text["choices"][0]["text"] == offline(prompt)
+    assert greedy["choices"][0]["text"] != offline(prompt)
+
+    chat = client.chat.completions.create(
+        model=MODEL_NAME, messages=USER, max_tokens=12, temperature=0, extra_body=REPEAT_KNOBS
+    )
+    expected = chat.choices[0].message.content
+    chat_ids = httpx.post(
+        server.base_url + "/tokenize", json={"model": MODEL_NAME, "messages": USER}
+    ).json()["tokens"]
+    assert expected == offline(chat_ids)
+    anthropic_body = {"model": MODEL_NAME, "max_tokens": 12, "messages": USER, "temperature": 0}
+    message = httpx.post(
+        server.base_url + "/v1/messages", json={**anthropic_body, **REPEAT_KNOBS}, timeout=60
+    ).json()
+    assert "".join(b.get("text", "") for b in message["content"] if b["type"] == "text") == expected
+    response_body = {"model": MODEL_NAME, "input": USER[0]["content"], "max_output_tokens": 12}
+    response = httpx.post(
+        server.api_url + "/responses",
+        json={**response_body, "temperature": 0, **REPEAT_KNOBS},
+        timeout=60,
+    ).json()
+    items = [i for i in response["output"] if i["type"] == "message"]
+    assert "".join(c["text"] for c in items[0]["content"]) == expected

@@ -75,3 +75,32 @@ def test_serve_config_names_the_presets_and_their_source(preset_server):
         "thinking": {"temperature": 2.0},
         "non_thinking": {"temperature": 1.5, "top_k": 1},
     }
+
+
+def test_a_preset_sets_the_penalties_a_request_leaves_unset(tmp_path):
+    """Penalties, DRY and the LZ penalty come from a preset too; a request's own value (even
+    the engine's default, sent explicitly) wins."""
+    from metrale.recipes import parse_sampling
+    from metrale.server.protocol import ChatCompletionRequest
+
+    presets = parse_sampling(
+        {
+            "non_thinking": {
+                "presence_penalty": 1.5,
+                "dry_multiplier": 0.8,
+                "dry_allowed_length": 3,
+                "lz_penalty": 0.2,
+            }
+        },
+        "MODEL.toml [sampling]",
+    )
+    defaults = presets.for_turn(False)
+    unset = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}])
+    params = unset.sampling_params(16, None, defaults)
+    assert (params.presence_penalty, params.dry_multiplier) == (1.5, 0.8)
+    assert (params.dry_allowed_length, params.lz_penalty) == (3, 0.2)
+    own = ChatCompletionRequest(
+        messages=[{"role": "user", "content": "hi"}], presence_penalty=0.0, lz_penalty=0.0
+    )
+    params = own.sampling_params(16, None, defaults)
+    assert (params.presence_penalty, params.lz_penalty, params.dry_multiplier) == (0.0, 0.0, 0.8)

@@ -65,7 +65,7 @@ async def create_message(request: Request) -> Any:
         temperature=body.temperature,
         top_p=body.top_p,
         top_k=body.top_k,
-        **body.truncation_fields(),
+        **body.extra_sampling_fields(),
     )
     prompt_text, prompt_ids = build_prompt(state, chat)
     # As in Anthropic's API since Sonnet 4.5, a max_tokens past the context window is no error:

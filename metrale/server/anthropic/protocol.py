@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from metrale.server.protocol import MAX_STOP_SEQUENCES, MAX_TOOLS, TruncationFields, _Body
+from metrale.server.protocol import MAX_STOP_SEQUENCES, MAX_TOOLS, ExtraSamplingFields, _Body
 
 # The largest max_tokens accepted, whatever the context window: Anthropic's own ceiling (Claude
 # Opus's 128k output tokens). Below it, a max_tokens past the window is no error (the reply runs
@@ -127,7 +127,7 @@ class Metadata(_Body):
     user_id: Annotated[str, Field(max_length=256)] | None = None
 
 
-class MessagesRequest(CountTokensRequest, TruncationFields):
+class MessagesRequest(CountTokensRequest, ExtraSamplingFields):
     max_tokens: Annotated[int, Field(ge=1)]
     stop_sequences: (
         Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=MAX_STOP_SEQUENCES)]

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Discriminator, Field, Tag, model_validator
 
-from metrale.server.protocol import MAX_TOOLS, ContentPart, TruncationFields, _Body, _Open
+from metrale.server.protocol import MAX_TOOLS, ContentPart, ExtraSamplingFields, _Body, _Open
 
 MAX_INPUT_ITEMS = 10_000
 MAX_METADATA_KEYS = 16
@@ -103,7 +103,7 @@ class ConversationRef(_Body):
     id: Annotated[str, Field(min_length=1)]
 
 
-class ResponsesRequest(TruncationFields):
+class ResponsesRequest(ExtraSamplingFields):
     model: str | None = None
     input: str | Annotated[list[InputItem], Field(max_length=MAX_INPUT_ITEMS)] | None = None
     instructions: str | None = None
@@ -114,9 +114,6 @@ class ResponsesRequest(TruncationFields):
     top_k: Annotated[int, Field(ge=-1)] | None = None
     min_p: Annotated[float, Field(ge=0, le=1)] | None = None
     seed: int | None = None
-    presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
-    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
-    repetition_penalty: Annotated[float, Field(gt=0, le=10)] = 1.0
     tools: Annotated[list[dict[str, Any]], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool = True

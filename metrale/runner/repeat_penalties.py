@@ -1,0 +1,154 @@
+"""Penalties on repeating earlier text, batched on the device: llama.cpp's DRY and the LZ penalty.
+
+Both read a request's token history and its suffix matches (`repeat_history.py`): `matches[p]`
+is how many tokens the sequence up to position `p` shares at its end with the whole sequence.
+Both subtract from the logits, after the repetition, frequency and presence penalties (llama.cpp's
+chain: penalties, then DRY), so they steer greedy rows too.
+
+**DRY** ("don't repeat yourself"), as llama.cpp defines it (`src/llama-sampling.cpp`,
+`llama_sampler_dry_apply`, after koboldcpp): over the last `dry_penalty_last_n` tokens (-1: all),
+a repeat may not reach past the latest sequence breaker (its `rep_limit`); a token `t` that would
+extend a repeat of length `L >= dry_allowed_length` (the tokens before `t`'s earlier occurrence
+match the end of the sequence for `L` tokens) loses
+`dry_multiplier * dry_base ** (L - dry_allowed_length)`, with the longest such `L` over its
+occurrences, the exponent clamped so the power stays finite, and single-token breakers never
+penalised.
+
+**The LZ penalty** is after Ginart et al., "LZ Penalty: an information-theoretic repetition
+penalty for autoregressive language models" (arXiv:2504.20131, 2025): a token is penalised by how
+much cheaper an LZ77 coder would code it than a literal. The paper leaves the codelengths to its
+implementation; ours, defined here: an LZ77 coder over token ids with a sliding window of the
+last 512 tokens and matches of at most 32 tokens codes a match of length `l` at distance `d` in
+`ln d + ln l` nats, so per token `(ln d + ln l) / l`, and a literal in `ln V` nats (V: the
+logits' width). For a candidate `t`, `c(t)` is the least per-token cost over the matches that end
+with `t` at the next position (any occurrence of `t` in the window, with any length up to the
+longest the context allows there); `t`'s logit loses `lz_penalty * max(0, ln V - c(t))`. A token
+that repeats the previous one (`d = 1`) costs nothing and loses the most; a token last seen far
+back loses little, unless it continues a long match. Tokens absent from the window are untouched.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+LZ_WINDOW_LEN = 512  # the coder's sliding window, in tokens
+LZ_BUFFER_LEN = 32  # its longest match
+FLOAT_MAX_LOG = 88.7228391  # ln of the largest float32: llama.cpp's bound on DRY's exponent
+
+
+def dry_max_exponent(base: float) -> int:
+    """llama.cpp's clamp of DRY's exponent, so that `base ** exponent` stays finite; 0: none."""
+    return int(FLOAT_MAX_LOG / math.log(base)) if base > 1.000001 else 0
+
+
+@dataclass(frozen=True)
+class RepeatPenalties:
+    """The sampled rows of a step that use DRY or the LZ penalty, and the history they read."""
+
+    tokens: torch.Tensor  # [num_slots, width] int64: each slot's tokens
+    matches: torch.Tensor  # [num_slots, width] int32: their suffix matches
+    single_breakers: torch.Tensor  # [num_breaker_sets, vocab_size] bool
+    rows: torch.Tensor  # [k] int64, rows of the batch
+    slots: torch.Tensor  # [k] int64
+    lengths: torch.Tensor  # [k] int64: tokens in the slot (the sequence so far)
+    max_len: int
+    pending: torch.Tensor  # [k] bool: the host has not seen the slot's last token
+    breaker_set: torch.Tensor  # [k] int64: the row's breakers (0: none)
+    dry_multiplier: torch.Tensor  # [k] fp32; 0: no DRY on this row
+    dry_base: torch.Tensor  # [k] fp32
+    dry_allowed_length: torch.Tensor  # [k] int64
+    dry_window_start: torch.Tensor  # [k] int64: the first position DRY looks at
+    dry_rep_limit: torch.Tensor  # [k] int64: llama.cpp's rep_limit, the pending token aside
+    dry_max_exponent: torch.Tensor  # [k] int64; 0: unclamped
+    # Tokens that, as the pending last token of row `pending_break_rows[i]`, end a multi-token
+    # breaker (rep_limit 0); None when there are none.
+    pending_break_rows: torch.Tensor | None
+    pending_break_tokens: torch.Tensor | None
+    lz_penalty: torch.Tensor  # [k] fp32; 0: off
+    any_dry: bool
+    any_lz: bool
+
+
+def apply_repeat_penalties(logits: torch.Tensor, r: RepeatPenalties) -> None:
+    """Subtract DRY's and the LZ penalty from the logits of `r`'s rows, in place."""
+    # logits: [num_rows, vocab_size] fp32
+    width = r.max_len
+    sub = logits.index_select(0, r.rows)  # [k, vocab_size]
+    tokens = r.tokens[r.slots, :width]  # [k, width]
+    matches = r.matches[r.slots, :width].long()
+    positions = torch.arange(width, device=logits.device)
+    if r.any_dry:
+        _dry(sub, r, tokens, matches, positions)
+    if r.any_lz:
+        _lz(sub, r, tokens, matches, positions)
+    logits.index_copy_(0, r.rows, sub)
+
+
+def _subtract_max(sub: torch.Tensor, token_ids: torch.Tensor, penalty: torch.Tensor) -> None:
+    """Each row's logit of each token in `token_ids` loses the largest `penalty` given it."""
+    # token_ids, penalty: [k, m]; a penalty of 0 changes nothing
+    sub.scatter_reduce_(1, token_ids, sub.gather(1, token_ids) - penalty, reduce="amin")
+
+
+def _dry(
+    sub: torch.Tensor,
+    r: RepeatPenalties,
+    tokens: torch.Tensor,
+    matches: torch.Tensor,
+    positions: torch.Tensor,
+) -> None:
+    lengths = r.lengths.unsqueeze(1)  # [k, 1]
+    last = tokens.gather(1, lengths - 1).squeeze(1)  # [k]
+    rep_limit = r.dry_rep_limit
+    # The pending token: a single-token breaker, or the end of a multi-token one, is the latest.
+    breaks = r.pending & r.single_breakers[r.breaker_set, last]
+    rep_limit = torch.where(breaks, 0, rep_limit)
+    if r.pending_break_rows is not None:
+        hit = last.index_select(0, r.pending_break_rows) == r.pending_break_tokens
+        limits = torch.where(hit, 0, rep_limit.index_select(0, r.pending_break_rows))
+        rep_limit = rep_limit.scatter_reduce(0, r.pending_break_rows, limits, reduce="amin")
+    # Position p (its repeat length) and the token after it, the one that would extend it.
+    p = positions[:-1]
+    start = r.dry_window_start.unsqueeze(1)
+    repeat_len = torch.minimum(matches[:, :-1], rep_limit.unsqueeze(1))
+    repeat_len = torch.minimum(repeat_len, p - start + 1)
+    allowed = r.dry_allowed_length.unsqueeze(1)
+    on = (
+        (p >= start)
+        & (p <= lengths - 2)
+        & (repeat_len >= allowed)
+        & (r.dry_multiplier > 0).unsqueeze(1)
+    )
+    following = torch.where(on, tokens[:, 1:], 0)
+    on &= ~r.single_breakers[r.breaker_set.unsqueeze(1), following]
+    exponent = repeat_len - allowed
+    max_exponent = r.dry_max_exponent.unsqueeze(1)
+    exponent = torch.where(max_exponent > 0, torch.minimum(exponent, max_exponent), exponent)
+    penalty = r.dry_multiplier.unsqueeze(1) * r.dry_base.unsqueeze(1) ** exponent.float()
+    _subtract_max(sub, following, torch.where(on, penalty, 0.0))
+
+
+def _lz(
+    sub: torch.Tensor,
+    r: RepeatPenalties,
+    tokens: torch.Tensor,
+    matches: torch.Tensor,
+    positions: torch.Tensor,
+) -> None:
+    lengths = r.lengths.unsqueeze(1)  # [k, 1]
+    start = (lengths - LZ_WINDOW_LEN).clamp(min=0)
+    on = (positions >= start) & (positions < lengths) & (r.lz_penalty > 0).unsqueeze(1)
+    # A match ending at q: as long as the context before q matches the end (plus q itself),
+    # within the buffer and the window.
+    before = torch.nn.functional.pad(matches[:, :-1], (1, 0))  # matches[q - 1]
+    longest = torch.minimum(before.clamp(max=LZ_BUFFER_LEN - 1) + 1, positions - start + 1)
+    longest = longest.clamp(min=1).float()
+    log_distance = (lengths - positions).clamp(min=1).float().log()
+    # (ln d + ln l) / l first rises then falls with l: its least is at l = 1 or the longest.
+    cost = torch.minimum(log_distance, (log_distance + longest.log()) / longest)
+    saved = (math.log(sub.shape[-1]) - cost).clamp(min=0)
+    penalty = torch.where(on, r.lz_penalty.unsqueeze(1) * saved, 0.0)
+    _subtract_max(sub, torch.where(on, tokens, 0), penalty)
