@@ -77,12 +77,16 @@ def reference(logits: torch.Tensor, request: Request) -> torch.Tensor:
 
 
 def run_steps(
-    requests: list[Request], async_scheduling: bool, seed: int = 0, vocab: int = VOCAB
+    requests: list[Request],
+    async_scheduling: bool,
+    seed: int = 0,
+    vocab: int = VOCAB,
+    device: str = "cpu",
 ) -> int:
     """Step all requests to the end of their scripts, checking every step's logits against the
     references; returns the number of rows checked. A batch row that uses neither penalty sits
     between them and must come back bit-identical."""
-    history = RepeatHistory(max_seq_len=1024, vocab_size=vocab, device=torch.device("cpu"))
+    history = RepeatHistory(max_seq_len=1024, vocab_size=vocab, device=torch.device(device))
     generator = torch.Generator().manual_seed(seed)
     checked = 0
     live = list(requests)
@@ -90,8 +94,9 @@ def run_steps(
         rows = [(2 * i + 1, r.chunk()) for i, r in enumerate(live)]  # even rows use neither
         repeats = history.prepare(rows)
         logits = torch.randn(2 * len(live) + 1, vocab, generator=generator) * 3
-        adjusted = logits.clone()
+        adjusted = logits.to(device, copy=True)
         apply_repeat_penalties(adjusted, repeats)
+        adjusted = adjusted.cpu()
         for i, request in enumerate(live):
             expected = reference(logits[2 * i + 1], request)
             torch.testing.assert_close(adjusted[2 * i + 1], expected, rtol=1e-5, atol=1e-4)
@@ -101,7 +106,7 @@ def run_steps(
         sampled = torch.zeros(2 * len(live) + 1, dtype=torch.int64)
         for i, request in enumerate(live):
             sampled[2 * i + 1] = request.script.pop(0)
-        history.append(repeats, sampled)
+        history.append(repeats, sampled.to(device))
         for i, request in enumerate(live):
             # the host learns the token the step after (async) or at once
             request.history.output_token_ids.extend(request.pending)
@@ -149,8 +154,12 @@ def test_a_batch_matches_the_references_step_by_step(
     assert run_steps(requests, async_scheduling) == sum(len(s) for s in scripts)
 
 
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_long_contexts_use_the_windows(async_scheduling):
+def test_long_contexts_use_the_windows(async_scheduling, device):
     """Past 512 tokens the LZ window slides; a DRY window of 100 cuts repeats that reach back
     further; a loop in a small alphabet makes long repeats and clamps DRY's exponent."""
     rng = random.Random(3)
@@ -161,7 +170,7 @@ def test_long_contexts_use_the_windows(async_scheduling):
         Request("dry", prompt, loop * 6, dry(dry_penalty_last_n=100, dry_base=30.0)),
         Request("all", prompt[:-7], [rng.randrange(8) for _ in range(40)], dry(lz_penalty=0.2)),
     ]
-    assert run_steps(requests, async_scheduling) == 25 + 24 + 40
+    assert run_steps(requests, async_scheduling, device=device) == 25 + 24 + 40
 
 
 def test_a_repeat_reaching_before_a_window_counts_only_inside_it():
