@@ -36,7 +36,7 @@ from hf_reference import left_padded
 from metrale.engine.core import EngineCore
 from metrale.engine.messages import EngineRequest
 from metrale.engine_args import EngineArgs
-from metrale.sampling_params import DryBreakers, SamplingParams
+from metrale.sampling_params import SamplingParams
 
 ROOT = Path(__file__).resolve().parent
 # Engine flags every benchmark shares, set from the command line.
@@ -533,25 +533,22 @@ def b2_engine(config: dict) -> EngineCore:
     )
 
 
-# DRY's breakers as the frontend would resolve llama.cpp's defaults on a real vocabulary: a few
-# thousand single-token breakers (here every 40th id of Qwen3's 152k) and no sequences.
-BENCH_DRY = {
-    "dry_multiplier": 0.8,
-    "dry_breakers": DryBreakers(single=tuple(range(0, 151_936, 40))),
-}
-
-
 def b2_knobs(results: dict) -> None:
     """B2 (Qwen3-0.6B) with llama.cpp's samplers, DRY and the LZ penalty on every request against
     none, in one engine: what a batch that uses them pays."""
+    from metrale.sampling_params import DryBreakers
+
+    # DRY's breakers as the frontend resolves llama.cpp's defaults on a real vocabulary: a few
+    # thousand single-token breakers (here every 40th id of Qwen3's 152k), no sequences.
+    dry = {"dry_multiplier": 0.8, "dry_breakers": DryBreakers(single=tuple(range(0, 151_936, 40)))}
     core = b2_engine(QWEN3_06B)
     prompts, _, _ = b2_workload()
     run(core, prompts[:4], [SamplingParams(max_tokens=8)] * 4)
     variants = {
         "none": {},
         "top_n_sigma": {"top_n_sigma": 1.0},
-        "dry": BENCH_DRY,
-        "dry_top_n_sigma": {**BENCH_DRY, "top_n_sigma": 1.0},
+        "dry": dry,
+        "dry_top_n_sigma": {**dry, "top_n_sigma": 1.0},
         "lz": {"lz_penalty": 0.15},
         "none_again": {},
     }

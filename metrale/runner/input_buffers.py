@@ -14,6 +14,17 @@ import numpy as np
 import torch
 
 
+def to_device(values: np.ndarray | list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A step's small, variable-sized host values on the device without waiting for it: staged
+    in pinned memory on a GPU (a copy from pageable memory first waits for the stream to drain,
+    which would stall async scheduling). PyTorch's pinned-memory cache keeps the staging block
+    until the copy has read it."""
+    host = torch.as_tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 class InputBuffer:
     """A host/device pair of 1-D or 2-D buffers of one dtype."""
 

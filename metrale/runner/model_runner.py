@@ -29,7 +29,7 @@ from metrale.engine.step import (
 )
 from metrale.layers.attention import AttentionMetadata, StepBatch, metadata_builder
 from metrale.runner.cuda_graphs import DecodeGraphs
-from metrale.runner.input_buffers import InputBuffers
+from metrale.runner.input_buffers import InputBuffers, to_device
 from metrale.runner.kv_cache import PagedKVCache, SwapTiming
 from metrale.runner.repeat_history import RepeatHistory
 from metrale.runner.repeat_penalties import RepeatPenalties
@@ -411,7 +411,7 @@ class ModelRunner:
         padded = np.full((len(id_lists), max_len), self.model_config.vocab_size, dtype=np.int64)
         for row, ids in enumerate(id_lists):
             padded[row, : len(ids)] = ids
-        return torch.from_numpy(padded).to(self.device, non_blocking=True)
+        return to_device(padded, torch.int64, self.device)
 
     def _generator(self, request_id: str, seed: int) -> torch.Generator:
         generator = self._generators.get(request_id)
@@ -421,7 +421,7 @@ class ModelRunner:
         return generator
 
     def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+        return to_device(values, dtype, self.device)
 
     def _copy_to_host(self, result: SamplerOutput, chunks: list[ScheduledChunk]) -> LaunchedStep:
         if self.device.type != "cuda":

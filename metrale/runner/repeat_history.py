@@ -28,12 +28,13 @@ import numpy as np
 import torch
 
 from metrale.engine.step import ScheduledChunk, TokenHistory
+from metrale.runner.input_buffers import to_device
 from metrale.runner.repeat_penalties import (
     LZ_WINDOW_LEN,
     RepeatPenalties,
     dry_max_exponent,
 )
-from metrale.sampling_params import DryBreakers, SamplingParams
+from metrale.sampling_params import SamplingParams
 
 
 def suffix_matches(tokens: Sequence[int]) -> np.ndarray:
@@ -71,45 +72,33 @@ class TokenView:
         return self.prompt[start : min(end, n)] + self.output[max(start - n, 0) : end - n]
 
 
-class BreakerTracker:
-    """The latest DRY sequence breaker in a request's known tokens, as llama.cpp's step 1 finds
-    it scanning back from the end: the latest head whose whole sequence is present, and of the
-    sequences with that head the longest. Kept up to date by scanning only new tokens."""
+class SequenceBreakers:
+    """The latest of DRY's multi-token breakers wholly among a request's known tokens: its
+    head's position and its tail's length, the longest tail where several share that head (as
+    llama.cpp's step 1 finds a breaker scanning back from the end). Kept up to date by scanning
+    only new tokens. Single-token breakers are the device's to find (`repeat_penalties.py`)."""
 
-    def __init__(self, breakers: DryBreakers) -> None:
-        self.single = frozenset(breakers.single)
+    def __init__(self, sequences: Sequence[tuple[int, ...]]) -> None:
         self.by_last: dict[int, list[tuple[int, tuple[int, ...]]]] = {}  # tail end -> (head, tail)
         self.by_head: dict[int, list[tuple[int, ...]]] = {}
-        for head, *tail in breakers.sequences:
+        for head, *tail in sequences:
             self.by_last.setdefault(tail[-1], []).append((head, tuple(tail)))
             self.by_head.setdefault(head, []).append(tuple(tail))
-        self.tail_lens = sorted({len(sequence) - 1 for sequence in breakers.sequences})
+        self.tail_lens = sorted({len(sequence) - 1 for sequence in sequences})
         self.num_scanned = 0
         self.latest: tuple[int, int] = (-1, 0)  # (head position, tail length); head -1: none
 
     def scan(self, tokens: TokenView, num_known: int) -> None:
         for k in range(self.num_scanned, num_known):
-            token = tokens[k]
-            if token in self.single:
-                self.latest = max(self.latest, (k, 0))
-            for head, tail in self.by_last.get(token, ()):
+            for head, tail in self.by_last.get(tokens[k], ()):
                 start = k - len(tail)
                 if start >= 0 and tokens[start] == head and _follows(tokens, start + 1, tail):
                     self.latest = max(self.latest, (start, len(tail)))
         self.num_scanned = max(self.num_scanned, num_known)
 
-    def rep_limit(self, num_tokens: int, window_len: int) -> int:
-        """llama.cpp's `rep_limit`: the longest repeat the breakers allow, for a context of
-        `num_tokens` tokens whose last `window_len` DRY looks at."""
-        head, tail_len = self.latest
-        if head < num_tokens - window_len:
-            return window_len
-        return num_tokens - 1 - head - tail_len
-
-    def pending_breaks(self, tokens: TokenView, num_known: int) -> list[int]:
-        """The tokens that, taken next (at position `num_known`), would end a multi-token
-        breaker that is then the latest. (A single-token breaker there always is: the device
-        checks those.)"""
+    def pending_breaks(self, tokens: TokenView, num_known: int) -> list[tuple[int, int]]:
+        """(token, tail length) for each token that, taken next (at position `num_known`),
+        would end a breaker that is then the latest."""
         found = []
         for tail_len in self.tail_lens:
             start = num_known - tail_len
@@ -121,7 +110,7 @@ class BreakerTracker:
                     and (start, tail_len) > self.latest
                     and _follows(tokens, start + 1, tail[:-1])
                 ):
-                    found.append(tail[-1])
+                    found.append((tail[-1], tail_len))
         return found
 
 
@@ -129,25 +118,15 @@ def _follows(tokens: TokenView, start: int, ids: Sequence[int]) -> bool:
     return all(tokens[start + i] == t for i, t in enumerate(ids))
 
 
-@dataclass(frozen=True, slots=True)
-class _RowInputs:
-    """What the host knows of one row of the step."""
-
-    slot: int
-    length: int  # tokens in the slot, a pending one included
-    pending: bool
-    breaker_set: int
-    window_start: int  # the first position DRY looks at
-    rep_limit: int  # llama.cpp's, before the pending token (if any) is seen
-    pending_breaks: list[int]
-
-
 @dataclass(slots=True)
 class Slot:
     index: int
     length: int  # tokens on the device, a pending one included
-    breakers: BreakerTracker | None  # None: the request has no DRY (or no breakers)
-    breaker_set: int  # its row of `single_breakers` (0: none)
+    sequences: SequenceBreakers | None  # None: no DRY, or no multi-token breakers
+    dry_last_n: int  # -1: the whole sequence
+    ints: tuple[int, int, int]  # its row of `single_breakers` (0: none), DRY's allowed length
+    # and exponent clamp
+    floats: tuple[float, float, float]  # DRY's multiplier (0: off) and base, the LZ strength
 
 
 @dataclass
@@ -166,9 +145,10 @@ class RepeatHistory:
         self.tokens = torch.zeros(self.num_slots, width, dtype=torch.int64, device=self.device)
         self.matches = torch.zeros(self.num_slots, width, dtype=torch.int32, device=self.device)
         self._free = list(range(self.num_slots - 1, -1, -1))
+        self._zero = torch.zeros((), dtype=torch.int32, device=self.device)
         # Row i: which tokens are single-token breakers of the i-th breaker set seen (row 0: none).
         self.single_breakers = torch.zeros(1, self.vocab_size, dtype=torch.bool, device=self.device)
-        self._breaker_sets: dict[DryBreakers, int] = {}
+        self._breaker_sets: dict[tuple[int, ...], int] = {}
 
     def free(self, request_id: str) -> None:
         slot = self.slots.pop(request_id, None)
@@ -178,54 +158,61 @@ class RepeatHistory:
     def prepare(self, rows: list[tuple[int, ScheduledChunk]]) -> RepeatPenalties:
         """The step's penalty inputs for these sampling rows (each `(row, chunk)`); counts the
         token each will sample as appended."""
-        inputs = [self._row_inputs(chunk) for _, chunk in rows]
-        breaks = [(i, token) for i, row in enumerate(inputs) for token in row.pending_breaks]
-        params = [chunk.sampling_params for _, chunk in rows]
+        int_rows, float_rows, breaks = [], [], []
+        for i, (row, chunk) in enumerate(rows):
+            history = chunk.token_history
+            assert history is not None
+            slot = self.slots.get(chunk.request_id)
+            if slot is None:
+                slot = self._new_slot(chunk.request_id, TokenView(history), chunk.sampling_params)
+            n = slot.length
+            num_known = len(history.prompt_token_ids) + len(history.output_token_ids)
+            pending = n > num_known  # its last token was sampled by the step still in flight
+            window_len = n if slot.dry_last_n < 0 else min(n, slot.dry_last_n)
+            head, tail_len = -1, 0
+            if slot.sequences is not None:
+                tokens = TokenView(history)
+                slot.sequences.scan(tokens, num_known)
+                head, tail_len = slot.sequences.latest
+                if pending:
+                    found = slot.sequences.pending_breaks(tokens, num_known)
+                    breaks += [(i, token, length) for token, length in found]
+            slot.length = n + 1  # the token this step samples, appended on the device
+            int_rows.append(
+                (row, slot.index, n, pending, n - window_len, head, tail_len, *slot.ints)
+            )
+            float_rows.append(slot.floats)
+        # Two copies to the device: the integers, then the floats ([field, row] each).
+        ints = to_device(np.array(int_rows, dtype=np.int64).T.copy(), torch.int64, self.device)
+        floats = to_device(
+            np.array(float_rows, dtype=np.float32).T.copy(), torch.float32, self.device
+        )
+        pending_breaks = None
+        if breaks:
+            pending_breaks = to_device(
+                np.array(breaks, dtype=np.int64).T.copy(), torch.int64, self.device
+            )
         return RepeatPenalties(
             tokens=self.tokens,
             matches=self.matches,
             single_breakers=self.single_breakers,
-            rows=self._tensor([row for row, _ in rows]),
-            slots=self._tensor([row.slot for row in inputs]),
-            lengths=self._tensor([row.length for row in inputs]),
-            max_len=max(row.length for row in inputs),
-            pending=self._tensor([row.pending for row in inputs], torch.bool),
-            breaker_set=self._tensor([row.breaker_set for row in inputs]),
-            dry_multiplier=self._tensor(
-                [p.dry_multiplier if p.uses_dry else 0.0 for p in params], torch.float32
-            ),
-            dry_base=self._tensor([p.dry_base for p in params], torch.float32),
-            dry_allowed_length=self._tensor([p.dry_allowed_length for p in params]),
-            dry_window_start=self._tensor([row.window_start for row in inputs]),
-            dry_rep_limit=self._tensor([row.rep_limit for row in inputs]),
-            dry_max_exponent=self._tensor([dry_max_exponent(p.dry_base) for p in params]),
-            pending_break_rows=self._tensor([i for i, _ in breaks]) if breaks else None,
-            pending_break_tokens=self._tensor([t for _, t in breaks]) if breaks else None,
-            lz_penalty=self._tensor([p.lz_penalty for p in params], torch.float32),
-            any_dry=any(p.uses_dry for p in params),
-            any_lz=any(p.lz_penalty > 0 for p in params),
-        )
-
-    def _row_inputs(self, chunk: ScheduledChunk) -> _RowInputs:
-        assert chunk.token_history is not None
-        params = chunk.sampling_params
-        tokens = TokenView(chunk.token_history)
-        slot = self.slots.get(chunk.request_id)
-        if slot is None:
-            slot = self._new_slot(chunk.request_id, tokens, params)
-        n, num_known = slot.length, len(tokens)
-        pending = n > num_known  # its last token was sampled by the step still in flight
-        last_n = params.dry_penalty_last_n
-        window_len = n if last_n < 0 else min(n, last_n)
-        rep_limit, breaks = window_len, []
-        if slot.breakers is not None:
-            slot.breakers.scan(tokens, num_known)
-            rep_limit = slot.breakers.rep_limit(n, window_len)
-            if pending:
-                breaks = slot.breakers.pending_breaks(tokens, num_known)
-        slot.length += 1  # the token this step samples, appended on the device
-        return _RowInputs(
-            slot.index, n, pending, slot.breaker_set, n - window_len, rep_limit, breaks
+            rows=ints[0],
+            slots=ints[1],
+            lengths=ints[2],
+            max_len=max(r[2] for r in int_rows),
+            pending=ints[3].bool(),
+            dry_window_start=ints[4],
+            dry_sequence_head=ints[5],
+            dry_sequence_tail_len=ints[6],
+            breaker_set=ints[7],
+            dry_allowed_length=ints[8],
+            dry_max_exponent=ints[9],
+            dry_multiplier=floats[0],
+            dry_base=floats[1],
+            lz_penalty=floats[2],
+            pending_breaks=pending_breaks,
+            any_dry=any(f[0] > 0 for f in float_rows),
+            any_lz=any(f[2] > 0 for f in float_rows),
         )
 
     def append(self, repeats: RepeatPenalties, sampled_ids: torch.Tensor) -> None:
@@ -238,8 +225,8 @@ class RepeatHistory:
         # (past a row's length this writes values no step reads before they are overwritten)
         extends = tokens == token_ids.unsqueeze(1)
         self.matches[slots, :width] = torch.where(extends, before + 1, 0)
-        self.tokens[slots, lengths] = token_ids
-        self.matches[slots, lengths] = 0
+        self.tokens.index_put_((slots, lengths), token_ids)
+        self.matches.index_put_((slots, lengths), self._zero)  # (a Python 0 would sync)
 
     def _new_slot(self, request_id: str, tokens: TokenView, params: SamplingParams) -> Slot:
         if not self._free:
@@ -256,26 +243,35 @@ class RepeatHistory:
         token_ids = tokens.window(0, n)
         matches = np.zeros(n, dtype=np.int32)
         matches[start:] = suffix_matches(token_ids[start:])
-        self.tokens[index, :n] = torch.tensor(token_ids, dtype=torch.int64).to(self.device)
-        self.matches[index, :n] = torch.from_numpy(matches).to(self.device)
+        self.tokens[index, :n] = to_device(token_ids, torch.int64, self.device)
+        self.matches[index, :n] = to_device(matches, torch.int32, self.device)
         breakers = params.dry_breakers
-        tracker = None
+        sequences = None
         breaker_set = 0
-        if params.uses_dry and breakers is not None and not breakers.empty:
-            tracker = BreakerTracker(breakers)
-            breaker_set = self._breaker_set(breakers)
-        slot = Slot(index, n, tracker, breaker_set)
+        if params.uses_dry and breakers is not None:
+            if breakers.single:
+                breaker_set = self._breaker_set(breakers.single)
+            if breakers.sequences:
+                sequences = SequenceBreakers(breakers.sequences)
+        slot = Slot(
+            index,
+            n,
+            sequences,
+            params.dry_penalty_last_n,
+            (breaker_set, params.dry_allowed_length, dry_max_exponent(params.dry_base)),
+            (params.dry_multiplier if params.uses_dry else 0.0, params.dry_base, params.lz_penalty),
+        )
         self.slots[request_id] = slot
         return slot
 
-    def _breaker_set(self, breakers: DryBreakers) -> int:
-        index = self._breaker_sets.get(breakers)
+    def _breaker_set(self, single: tuple[int, ...]) -> int:
+        index = self._breaker_sets.get(single)
         if index is None:
             index = self.single_breakers.shape[0]
             row = torch.zeros(1, self.vocab_size, dtype=torch.bool)
-            row[0, [t for t in breakers.single if t < self.vocab_size]] = True
+            row[0, [t for t in single if t < self.vocab_size]] = True
             self.single_breakers = torch.cat([self.single_breakers, row.to(self.device)])
-            self._breaker_sets[breakers] = index
+            self._breaker_sets[single] = index
         return index
 
     def _grow(self) -> None:
@@ -284,6 +280,3 @@ class RepeatHistory:
         self.tokens = torch.cat([self.tokens, torch.zeros_like(self.tokens)])
         self.matches = torch.cat([self.matches, torch.zeros_like(self.matches)])
         self._free.extend(range(self.num_slots - 1, old - 1, -1))
-
-    def _tensor(self, values: list, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)

@@ -37,6 +37,7 @@ import torch
 LZ_WINDOW_LEN = 512  # the coder's sliding window, in tokens
 LZ_BUFFER_LEN = 32  # its longest match
 FLOAT_MAX_LOG = 88.7228391  # ln of the largest float32: llama.cpp's bound on DRY's exponent
+NO_TAIL = 1 << 40
 
 
 def dry_max_exponent(base: float) -> int:
@@ -61,12 +62,14 @@ class RepeatPenalties:
     dry_base: torch.Tensor  # [k] fp32
     dry_allowed_length: torch.Tensor  # [k] int64
     dry_window_start: torch.Tensor  # [k] int64: the first position DRY looks at
-    dry_rep_limit: torch.Tensor  # [k] int64: llama.cpp's rep_limit, the pending token aside
+    # The latest multi-token breaker among the tokens the host knows: its head's position (-1:
+    # none) and its tail's length.
+    dry_sequence_head: torch.Tensor  # [k] int64
+    dry_sequence_tail_len: torch.Tensor  # [k] int64
     dry_max_exponent: torch.Tensor  # [k] int64; 0: unclamped
-    # Tokens that, as the pending last token of row `pending_break_rows[i]`, end a multi-token
-    # breaker (rep_limit 0); None when there are none.
-    pending_break_rows: torch.Tensor | None
-    pending_break_tokens: torch.Tensor | None
+    # [3, e] int64: (row, token, tail length) of each token that, as the row's pending last
+    # token, would end a multi-token breaker that is then the latest; None when there are none.
+    pending_breaks: torch.Tensor | None
     lz_penalty: torch.Tensor  # [k] fp32; 0: off
     any_dry: bool
     any_lz: bool
@@ -101,18 +104,10 @@ def _dry(
     positions: torch.Tensor,
 ) -> None:
     lengths = r.lengths.unsqueeze(1)  # [k, 1]
-    last = tokens.gather(1, lengths - 1).squeeze(1)  # [k]
-    rep_limit = r.dry_rep_limit
-    # The pending token: a single-token breaker, or the end of a multi-token one, is the latest.
-    breaks = r.pending & r.single_breakers[r.breaker_set, last]
-    rep_limit = torch.where(breaks, 0, rep_limit)
-    if r.pending_break_rows is not None:
-        hit = last.index_select(0, r.pending_break_rows) == r.pending_break_tokens
-        limits = torch.where(hit, 0, rep_limit.index_select(0, r.pending_break_rows))
-        rep_limit = rep_limit.scatter_reduce(0, r.pending_break_rows, limits, reduce="amin")
+    start = r.dry_window_start.unsqueeze(1)
+    rep_limit = _rep_limit(r, tokens, positions)
     # Position p (its repeat length) and the token after it, the one that would extend it.
     p = positions[:-1]
-    start = r.dry_window_start.unsqueeze(1)
     repeat_len = torch.minimum(matches[:, :-1], rep_limit.unsqueeze(1))
     repeat_len = torch.minimum(repeat_len, p - start + 1)
     allowed = r.dry_allowed_length.unsqueeze(1)
@@ -129,6 +124,36 @@ def _dry(
     exponent = torch.where(max_exponent > 0, torch.minimum(exponent, max_exponent), exponent)
     penalty = r.dry_multiplier.unsqueeze(1) * r.dry_base.unsqueeze(1) ** exponent.float()
     _subtract_max(sub, following, torch.where(on, penalty, 0.0))
+
+
+def _rep_limit(r: RepeatPenalties, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """llama.cpp's `rep_limit` of each row: how far back from the end a repeat may reach, up to
+    the latest breaker in DRY's window (the latest head; of one head's sequences the longest),
+    else the window's length."""
+    # tokens: [k, width]
+    lengths = r.lengths.unsqueeze(1)
+    # (one before the window limits nothing the window does not)
+    single = r.single_breakers[r.breaker_set.unsqueeze(1), tokens] & (positions < lengths)
+    single_head = torch.where(single, positions, -1).amax(dim=1)  # [k]; -1: none
+    head, tail_len = r.dry_sequence_head, r.dry_sequence_tail_len
+    if r.pending_breaks is not None:
+        # The pending last token ends a sequence the host found later than its latest: of those
+        # it ends, the latest head is the shortest tail's.
+        rows, token_ids, lens = r.pending_breaks
+        last = tokens.gather(1, lengths - 1).squeeze(1)  # [k]
+        hit = last.index_select(0, rows) == token_ids
+        none = torch.full_like(tail_len, NO_TAIL)
+        shortest = none.scatter_reduce(0, rows, torch.where(hit, lens, NO_TAIL), reduce="amin")
+        found = shortest < NO_TAIL
+        head = torch.where(found, r.lengths - 1 - shortest, head)
+        tail_len = torch.where(found, shortest, tail_len)
+    window_len = r.lengths - r.dry_window_start
+    sequence = (head >= single_head) & (head >= r.dry_window_start)
+    return torch.where(
+        sequence,
+        r.lengths - 1 - head - tail_len,
+        torch.where(single_head >= 0, r.lengths - 1 - single_head, window_len),
+    )
 
 
 def _lz(

@@ -14,13 +14,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from metrale.engine.step import ScheduledChunk, TokenHistory
-from metrale.runner.repeat_history import BreakerTracker, RepeatHistory, TokenView, suffix_matches
+from metrale.runner.repeat_history import RepeatHistory, SequenceBreakers, TokenView, suffix_matches
 from metrale.runner.repeat_penalties import apply_repeat_penalties
 from metrale.sampling_params import DryBreakers, SamplingParams
 from tests.runner.reference_repeats import ref_dry, ref_lz
 
 VOCAB = 12
-BREAKERS = DryBreakers(single=(3,), sequences=((4, 5), (5, 1, 2), (6, 6, 7)))
+# 3 breaks alone, and 3 7 is a longer breaker from the same head; 4 heads two
+BREAKERS = DryBreakers(single=(3,), sequences=((3, 7), (4, 1, 1), (4, 5), (5, 1, 2), (6, 6, 7)))
 
 
 def brute_suffix_matches(tokens: list[int]) -> list[int]:
@@ -82,14 +83,16 @@ def run_steps(
     seed: int = 0,
     vocab: int = VOCAB,
     device: str = "cpu",
+    max_live: int = 64,
 ) -> int:
-    """Step all requests to the end of their scripts, checking every step's logits against the
-    references; returns the number of rows checked. A batch row that uses neither penalty sits
+    """Step the requests (at most `max_live` at once) to the end of their scripts, checking
+    every step's logits against the references; returns the number of rows checked. A batch row that uses neither penalty sits
     between them and must come back bit-identical."""
     history = RepeatHistory(max_seq_len=1024, vocab_size=vocab, device=torch.device(device))
     generator = torch.Generator().manual_seed(seed)
     checked = 0
-    live = list(requests)
+    waiting = list(requests)
+    live = [waiting.pop(0) for _ in range(min(max_live, len(waiting)))]
     while live:
         rows = [(2 * i + 1, r.chunk()) for i, r in enumerate(live)]  # even rows use neither
         repeats = history.prepare(rows)
@@ -117,6 +120,8 @@ def run_steps(
         for request in [r for r in live if not r.script]:
             history.free(request.request_id)
             live.remove(request)
+            if waiting:  # into a freed slot, over what its last request left there
+                live.append(waiting.pop(0))
     assert not history.slots and sorted(history._free) == list(range(history.num_slots))
     return checked
 
@@ -129,7 +134,7 @@ def dry(**kw) -> SamplingParams:
 tokens = st.lists(st.integers(0, 7), min_size=1, max_size=40)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(
     prompts=st.lists(tokens, min_size=3, max_size=3),
     scripts=st.lists(st.lists(st.integers(0, 7), min_size=1, max_size=25), min_size=3, max_size=3),
@@ -186,6 +191,20 @@ def test_a_repeat_reaching_before_a_window_counts_only_inside_it():
     assert run_steps(requests, async_scheduling=False, vocab=600) == 2
 
 
+@pytest.mark.parametrize(
+    ("context", "last_n"),
+    [
+        # 3 breaks alone, 3 7 is longer: the repeat of "1 2" may not take in the 7
+        ([7, 1, 2, 0, 3, 7, 1, 2], -1),
+        # the breaker 4 1 1 starts before the window of 6: it does not cut the run of 1s
+        ([4, 1, 1, 1, 1, 1, 1], 6),
+    ],
+)
+def test_breakers_at_the_edges(context, last_n):
+    request = Request("r", context, [0], dry(dry_allowed_length=1, dry_penalty_last_n=last_n))
+    assert run_steps([request], async_scheduling=False) == 1
+
+
 def test_slots_are_reused_and_grow():
     """More requests than the first slots, freed and refilled: nothing of an earlier request
     leaks into a later one."""
@@ -199,18 +218,17 @@ def test_slots_are_reused_and_grow():
         )
         for i in range(20)
     ]
-    assert run_steps(requests, async_scheduling=True) > 20
+    assert run_steps(requests, async_scheduling=True, max_live=5) > 20
 
 
-def test_the_breaker_tracker_scans_only_new_tokens():
-    tracker = BreakerTracker(BREAKERS)
+def test_the_sequence_breakers_scan_only_new_tokens():
+    tracker = SequenceBreakers(BREAKERS.sequences)
     history = TokenHistory([0, 4, 5, 0, 0], [])
     tracker.scan(TokenView(history), 5)
     assert tracker.latest == (1, 1)  # the sequence (4, 5) from position 1
-    assert tracker.rep_limit(5, 5) == 2  # positions 3 and 4 may repeat
-    assert tracker.rep_limit(5, 2) == 2  # the breaker lies outside a window of 2
     history.output_token_ids.extend([5, 1])
-    assert tracker.pending_breaks(TokenView(history), 7) == [2]  # 5 1 2 would end one
+    # taken next, 2 would end 5 1 2 (from position 5, tail 2)
+    assert tracker.pending_breaks(TokenView(history), 7) == [(2, 2)]
     history.output_token_ids.append(2)
     tracker.scan(TokenView(history), 8)
     assert tracker.latest == (5, 2) and tracker.num_scanned == 8
