@@ -307,15 +307,19 @@ def test_runner_metadata_has_no_penalty_or_bias_pass_when_no_row_asks():
     assert meta.penalties is None and meta.logit_bias is None and meta.all_greedy
 
 
-def test_scheduler_shares_histories_only_with_sampling_chunks_that_have_penalties():
+def small_scheduler(max_prefill_tokens: int) -> Scheduler:
     config = SchedulerConfig(
         max_num_seqs=4,
         max_batch_size=4,
-        max_prefill_tokens=8,
-        max_num_batched_tokens=16,
+        max_prefill_tokens=max_prefill_tokens,
+        max_num_batched_tokens=max(16, max_prefill_tokens),
         max_seq_len=64,
     )
-    scheduler = Scheduler(config, KVCacheManager(BlockPool(32, enable_prefix_caching=False), 4))
+    return Scheduler(config, KVCacheManager(BlockPool(32, enable_prefix_caching=False), 4))
+
+
+def test_scheduler_shares_histories_only_with_sampling_chunks_that_have_penalties():
+    scheduler = small_scheduler(max_prefill_tokens=8)
     penalised = Request("pen", list(range(12)), SamplingParams(frequency_penalty=1.0))
     plain = Request("plain", list(range(3)), SamplingParams(logit_bias={1: 1.0}))
     scheduler.add_request(penalised)
@@ -336,14 +340,7 @@ def test_scheduler_shares_histories_only_with_sampling_chunks_that_have_penaltie
 def test_dry_and_lz_requests_get_histories_but_never_make_async_steps_wait():
     """The counting penalties are decided on the host from every token so far, so a step waits
     for its predecessor's; DRY and the LZ penalty read the history the device keeps."""
-    config = SchedulerConfig(
-        max_num_seqs=4,
-        max_batch_size=4,
-        max_prefill_tokens=64,
-        max_num_batched_tokens=64,
-        max_seq_len=64,
-    )
-    scheduler = Scheduler(config, KVCacheManager(BlockPool(32, enable_prefix_caching=False), 4))
+    scheduler = small_scheduler(max_prefill_tokens=64)
     dry = Request("dry", [1, 2, 3], SamplingParams(dry_multiplier=0.8, lz_penalty=0.1))
     scheduler.add_request(dry)
     step = scheduler.schedule()

@@ -86,8 +86,8 @@ def run_steps(
     max_live: int = 64,
 ) -> int:
     """Step the requests (at most `max_live` at once) to the end of their scripts, checking
-    every step's logits against the references; returns the number of rows checked. A batch row that uses neither penalty sits
-    between them and must come back bit-identical."""
+    every step's logits against the references; returns the number of rows checked. A batch
+    row that uses neither penalty sits between them and must come back bit-identical."""
     history = RepeatHistory(max_seq_len=1024, vocab_size=vocab, device=torch.device(device))
     generator = torch.Generator().manual_seed(seed)
     checked = 0
