@@ -237,10 +237,10 @@ class SamplingParams:
         return self.dry_multiplier > 0 and self.dry_penalty_last_n != 0
 
     @property
-    def tracks_repeats(self) -> bool:
-        """Whether DRY or the LZ penalty is on: the runner keeps the request's history on the
-        device (runner/repeat_history.py)."""
-        return self.uses_dry or self.lz_penalty > 0
+    def reads_history(self) -> bool:
+        """Whether a penalty reads the tokens so far (the counted ones, DRY, the LZ penalty):
+        the runner keeps the request's history on the device (runner/repeat_history.py)."""
+        return self.has_penalties or self.uses_dry or self.lz_penalty > 0
 
     @property
     def has_penalties(self) -> bool:

@@ -5,9 +5,9 @@ parameters, and each `step()` returns the new tokens of every request that advan
 
 With async scheduling a step is launched before the previous one's tokens are back, so the host
 schedules and prepares step N+1 while the device runs step N, and `step()` returns step N's
-tokens. A request that needs its last token on the host before its next step (a grammar,
-penalties, a thinking budget about to run out) makes the engine collect the step in flight
-before it schedules the next one.
+tokens. A request that needs its last token on the host before its next step (a grammar, a
+thinking budget about to run out) makes the engine collect the step in flight before it
+schedules the next one; the penalties read a history kept on the device and never do.
 """
 
 from __future__ import annotations

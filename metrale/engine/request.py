@@ -112,21 +112,21 @@ class Request:
     @property
     def is_host_decided(self) -> bool:
         """Whether its steps are shaped on the host from its tokens so far: a grammar's mask,
-        penalties' counts, a thinking budget's forced close."""
+        a thinking budget's forced close. (The penalties read a history kept on the device.)"""
         params = self.sampling_params
-        return params.structured is not None or params.has_penalties or params.thinking is not None
+        return params.structured is not None or params.thinking is not None
 
     @property
     def needs_pending_tokens(self) -> bool:
         """Whether its next step must wait for the ids of its pending tokens.
 
-        A grammar, penalties and a thinking budget about to run out are all decided on the host
-        from the tokens so far; other requests go on without knowing them.
+        A grammar and a thinking budget about to run out are decided on the host from the
+        tokens so far; other requests go on without knowing them.
         """
         if self.num_pending_tokens == 0 or not self.is_host_decided:
             return False
         params = self.sampling_params
-        if params.structured is not None or params.has_penalties:
+        if params.structured is not None:
             return True
         thinking = params.thinking
         # Inside a block the pending tokens may spend the budget. Outside one they cannot: with

@@ -64,8 +64,8 @@ class Scheduler:
         self._swap_in: list[tuple[int, int]] = []  # and (host, device)
         self.preempted_ids: list[str] = []  # since the caller last cleared it (the metrics)
         self._finished_ids: list[str] = []
-        # Requests whose steps are decided on the host from their tokens so far (a grammar,
-        # penalties, a thinking budget): the few that can make async scheduling wait.
+        # Requests whose steps are decided on the host from their tokens so far (a grammar, a
+        # thinking budget): the few that can make async scheduling wait.
         self._host_decided: dict[str, Request] = {}
         self._deadlines: list[tuple[float, str]] = []  # a heap of (deadline_s, request_id)
         self.num_thinking_loops_closed = 0  # by the watchdog, since the caller last took them
@@ -316,7 +316,7 @@ class Scheduler:
             banned += (thinking.start_token_id,)
         samples = end == request.num_tokens + request.num_pending_tokens
         history = None
-        if samples and (params.has_penalties or params.tracks_repeats):
+        if samples and params.reads_history:
             history = TokenHistory(request.prompt_token_ids, request.output_token_ids)
         structured = None if request.inside_thinking else params.structured
         opener = None

@@ -35,8 +35,8 @@ class ScheduledChunk:
     the last may be `PENDING_TOKEN_ID`, sampled by the previous step and not yet seen by the host.
     When `samples` is true the chunk reaches the request's last token, so the step samples the
     next one; a chunk in the middle of a long prompt samples nothing. `token_history` is set
-    only on sampling chunks whose params have penalties (DRY and the LZ penalty included), so
-    requests without them cost no copy.
+    only on sampling chunks whose params have penalties (the counted ones, DRY, the LZ
+    penalty), so requests without them cost nothing.
     """
 
     request_id: str

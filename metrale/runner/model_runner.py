@@ -25,7 +25,6 @@ from metrale.engine.step import (
     ModelRunnerOutput,
     ScheduledChunk,
     SchedulerOutput,
-    TokenHistory,
 )
 from metrale.layers.attention import AttentionMetadata, StepBatch, metadata_builder
 from metrale.runner.cuda_graphs import DecodeGraphs
@@ -33,7 +32,7 @@ from metrale.runner.input_buffers import InputBuffers, to_device
 from metrale.runner.kv_cache import PagedKVCache, SwapTiming
 from metrale.runner.repeat_history import RepeatHistory
 from metrale.runner.repeat_penalties import RepeatPenalties
-from metrale.runner.sampler import LogitBias, Penalties, SamplerOutput, SamplingMetadata, sample
+from metrale.runner.sampler import LogitBias, SamplerOutput, SamplingMetadata, sample
 from metrale.runner.structured_output import StructuredOutputs
 from metrale.runner.truncation import Truncation
 from metrale.sampling_params import SamplingParams
@@ -176,8 +175,8 @@ class ModelRunner:
         metadata = self._sampling_metadata(sampling_chunks)
         self._record_inputs_copied()
         result = sample(logits.float(), metadata)
-        if metadata.repeats is not None:
-            self.repeat_history.append(metadata.repeats, result.token_ids)
+        if metadata.penalties is not None:
+            self.repeat_history.append(metadata.penalties, result.token_ids)
         self._last_samples = result.token_ids
         self._last_sampling_chunks = sampling_chunks
         step = self._copy_to_host(result, sampling_chunks)
@@ -315,7 +314,6 @@ class ModelRunner:
             logit_bias=self._logit_bias(params),
             truncation=self._truncation(params),
             penalties=self._penalties(chunks),
-            repeats=self._repeats(chunks),
             forced=[
                 (row, c.forced_token_id)
                 for row, c in enumerate(chunks)
@@ -355,9 +353,9 @@ class ModelRunner:
             any_xtc=any(p.xtc_probability > 0 for p in used),
         )
 
-    def _repeats(self, chunks: list[ScheduledChunk]) -> RepeatPenalties | None:
-        """The rows using DRY or the LZ penalty, over their histories on the device."""
-        rows = [(row, c) for row, c in enumerate(chunks) if c.sampling_params.tracks_repeats]
+    def _penalties(self, chunks: list[ScheduledChunk]) -> RepeatPenalties | None:
+        """The rows with a penalty, over their histories on the device."""
+        rows = [(row, c) for row, c in enumerate(chunks) if c.sampling_params.reads_history]
         if not rows:
             return None
         if self.repeat_history is None:
@@ -380,38 +378,6 @@ class ModelRunner:
             token_ids=self._tensor(token_ids, torch.int64),
             values=self._tensor(values, torch.float32),
         )
-
-    def _penalties(self, chunks: list[ScheduledChunk]) -> Penalties | None:
-        """The penalty rows' token histories, padded on the host; None when no row has any."""
-        rows = [row for row, c in enumerate(chunks) if c.sampling_params.has_penalties]
-        if not rows:
-            return None
-        params = [chunks[row].sampling_params for row in rows]
-        windows = [
-            _window(chunks[row].token_history, p.repetition_penalty_window)
-            for row, p in zip(rows, params, strict=True)
-        ]
-        # Only the repetition penalty reads the prompt, which may be long: ship it only then.
-        prompt_ids = [
-            prompt if p.repetition_penalty != 1.0 else []
-            for (prompt, _), p in zip(windows, params, strict=True)
-        ]
-        return Penalties(
-            rows=self._tensor(rows, torch.int64),
-            prompt_ids=self._padded_ids(prompt_ids),
-            output_ids=self._padded_ids([output for _, output in windows]),
-            presence=self._tensor([p.presence_penalty for p in params], torch.float32),
-            frequency=self._tensor([p.frequency_penalty for p in params], torch.float32),
-            repetition=self._tensor([p.repetition_penalty for p in params], torch.float32),
-        )
-
-    def _padded_ids(self, id_lists: list[list[int]]) -> torch.Tensor:
-        """Right-pad with the vocabulary size, the id the sampler's counts drop."""
-        max_len = max(len(ids) for ids in id_lists)
-        padded = np.full((len(id_lists), max_len), self.model_config.vocab_size, dtype=np.int64)
-        for row, ids in enumerate(id_lists):
-            padded[row, : len(ids)] = ids
-        return to_device(padded, torch.int64, self.device)
 
     def _generator(self, request_id: str, seed: int) -> torch.Generator:
         generator = self._generators.get(request_id)
@@ -492,15 +458,3 @@ def prefill_probe(num_tokens: int, block_size: int) -> SchedulerOutput:
         SamplingParams(temperature=0.0),
     )
     return SchedulerOutput([chunk])
-
-
-def _window(history: TokenHistory | None, window: int) -> tuple[list[int], list[int]]:
-    """The prompt and output ids the penalties see: the last `window` tokens of the sequence
-    (all of it for 0), the output's counting first."""
-    assert history is not None
-    prompt, output = history.prompt_token_ids, history.output_token_ids
-    if not window:
-        return prompt, output
-    output = output[-window:]
-    from_prompt = window - len(output)
-    return (prompt[len(prompt) - from_prompt :] if from_prompt > 0 else []), output

@@ -1,7 +1,7 @@
-"""The token history that DRY and the LZ penalty read, kept on the device for the requests that
-use them.
+"""The token history the penalties read, kept on the device for the requests that use them.
 
-Both penalties ask how the end of the sequence repeats earlier text. For each position `p`
+The counted penalties (presence, frequency, repetition) count its tokens. DRY and the LZ penalty
+ask how the end of the sequence repeats earlier text. For each position `p`
 before the last, `matches[p]` is the length of the longest common suffix of the sequence up to
 `p` and the whole sequence (llama.cpp's DRY computes it afresh each step, by the Z-algorithm on
 the reversed context). Appending a token `t` updates every position at once:
@@ -12,11 +12,12 @@ so the runner appends each sampled token on the device right after sampling it, 
 step reads an up-to-date history without the host ever seeing that token: under async scheduling
 these requests never make a step wait. A request's row (its slot) is filled once from the host,
 at its first sampling step; it stays through preemption and swap and is freed when the request
-finishes. Only the requests that use DRY or the LZ penalty hold a slot.
+finishes. Only the requests that use a penalty hold a slot.
 
 DRY's sequence breakers are the one thing decided on the host: where the latest breaker lies in
-the tokens the host knows (`BreakerTracker`, kept as tokens arrive), and which tokens would end
-a breaker if the step's pending token were one of them; the device settles the pending token.
+the tokens the host knows (`SequenceBreakers`, kept as tokens arrive), and which tokens would
+end one if the step's pending token were one of them; the device settles the pending token, and
+finds the single-token breakers itself.
 """
 
 from __future__ import annotations
@@ -124,9 +125,12 @@ class Slot:
     length: int  # tokens on the device, a pending one included
     sequences: SequenceBreakers | None  # None: no DRY, or no multi-token breakers
     dry_last_n: int  # -1: the whole sequence
-    ints: tuple[int, int, int]  # its row of `single_breakers` (0: none), DRY's allowed length
-    # and exponent clamp
-    floats: tuple[float, float, float]  # DRY's multiplier (0: off) and base, the LZ strength
+    penalty_window: int  # the counted penalties' (0: the whole sequence)
+    # Its row of `single_breakers` (0: none), DRY's allowed length and exponent clamp, the
+    # prompt's length.
+    ints: tuple[int, int, int, int]
+    # DRY's multiplier (0: off) and base, the LZ strength; presence, frequency, repetition.
+    floats: tuple[float, float, float, float, float, float]
 
 
 @dataclass
@@ -169,6 +173,7 @@ class RepeatHistory:
             num_known = len(history.prompt_token_ids) + len(history.output_token_ids)
             pending = n > num_known  # its last token was sampled by the step still in flight
             window_len = n if slot.dry_last_n < 0 else min(n, slot.dry_last_n)
+            penalty_start = n - min(n, slot.penalty_window) if slot.penalty_window else 0
             head, tail_len = -1, 0
             if slot.sequences is not None:
                 tokens = TokenView(history)
@@ -178,9 +183,8 @@ class RepeatHistory:
                     found = slot.sequences.pending_breaks(tokens, num_known)
                     breaks += [(i, token, length) for token, length in found]
             slot.length = n + 1  # the token this step samples, appended on the device
-            int_rows.append(
-                (row, slot.index, n, pending, n - window_len, head, tail_len, *slot.ints)
-            )
+            dynamic = (row, slot.index, n, pending, n - window_len, head, tail_len, penalty_start)
+            int_rows.append((*dynamic, *slot.ints))
             float_rows.append(slot.floats)
         # Two copies to the device: the integers, then the floats ([field, row] each).
         ints = to_device(np.array(int_rows, dtype=np.int64).T.copy(), torch.int64, self.device)
@@ -204,13 +208,19 @@ class RepeatHistory:
             dry_window_start=ints[4],
             dry_sequence_head=ints[5],
             dry_sequence_tail_len=ints[6],
-            breaker_set=ints[7],
-            dry_allowed_length=ints[8],
-            dry_max_exponent=ints[9],
+            penalty_start=ints[7],
+            breaker_set=ints[8],
+            dry_allowed_length=ints[9],
+            dry_max_exponent=ints[10],
+            prompt_len=ints[11],
             dry_multiplier=floats[0],
             dry_base=floats[1],
             lz_penalty=floats[2],
+            presence=floats[3],
+            frequency=floats[4],
+            repetition=floats[5],
             pending_breaks=pending_breaks,
+            any_counted=any(f[3] != 0 or f[4] != 0 or f[5] != 1 for f in float_rows),
             any_dry=any(f[0] > 0 for f in float_rows),
             any_lz=any(f[2] > 0 for f in float_rows),
         )
@@ -258,8 +268,21 @@ class RepeatHistory:
             n,
             sequences,
             params.dry_penalty_last_n,
-            (breaker_set, params.dry_allowed_length, dry_max_exponent(params.dry_base)),
-            (params.dry_multiplier if params.uses_dry else 0.0, params.dry_base, params.lz_penalty),
+            params.repetition_penalty_window,
+            (
+                breaker_set,
+                params.dry_allowed_length,
+                dry_max_exponent(params.dry_base),
+                len(tokens.prompt),
+            ),
+            (
+                params.dry_multiplier if params.uses_dry else 0.0,
+                params.dry_base,
+                params.lz_penalty,
+                params.presence_penalty,
+                params.frequency_penalty,
+                params.repetition_penalty,
+            ),
         )
         self.slots[request_id] = slot
         return slot

@@ -1,9 +1,15 @@
-"""Penalties on repeating earlier text, batched on the device: llama.cpp's DRY and the LZ penalty.
+"""Penalties on repeating earlier text, batched on the device: the counted penalties, llama.cpp's
+DRY and the LZ penalty, in that order (llama.cpp's chain: penalties, then DRY).
 
-Both read a request's token history and its suffix matches (`repeat_history.py`): `matches[p]`
-is how many tokens the sequence up to position `p` shares at its end with the whole sequence.
-Both subtract from the logits, after the repetition, frequency and presence penalties (llama.cpp's
-chain: penalties, then DRY), so they steer greedy rows too.
+All read a request's token history on the device (`repeat_history.py`); DRY and the LZ penalty
+also its suffix matches: `matches[p]` is how many tokens the sequence up to position `p` shares
+at its end with the whole sequence. They reshape the logits before any sampling choice, so they
+steer greedy rows too.
+
+**The counted penalties**, over the last `repetition_penalty_window` tokens of prompt and
+output (0: all), as vLLM defines them: repetition (Hugging Face's) divides a seen token's
+positive logit by the penalty and multiplies a negative one, over prompt and output; frequency
+(OpenAI's) subtracts per occurrence in the output, presence once per token in the output.
 
 **DRY** ("don't repeat yourself"), as llama.cpp defines it (`src/llama-sampling.cpp`,
 `llama_sampler_dry_apply`, after koboldcpp): over the last `dry_penalty_last_n` tokens (-1: all),
@@ -67,27 +73,57 @@ class RepeatPenalties:
     dry_sequence_head: torch.Tensor  # [k] int64
     dry_sequence_tail_len: torch.Tensor  # [k] int64
     dry_max_exponent: torch.Tensor  # [k] int64; 0: unclamped
+    prompt_len: torch.Tensor  # [k] int64
+    penalty_start: torch.Tensor  # [k] int64: the first position the counted penalties see
+    presence: torch.Tensor  # [k] fp32
+    frequency: torch.Tensor  # [k] fp32
+    repetition: torch.Tensor  # [k] fp32
     # [3, e] int64: (row, token, tail length) of each token that, as the row's pending last
     # token, would end a multi-token breaker that is then the latest; None when there are none.
     pending_breaks: torch.Tensor | None
     lz_penalty: torch.Tensor  # [k] fp32; 0: off
+    any_counted: bool
     any_dry: bool
     any_lz: bool
 
 
 def apply_repeat_penalties(logits: torch.Tensor, r: RepeatPenalties) -> None:
-    """Subtract DRY's and the LZ penalty from the logits of `r`'s rows, in place."""
+    """Apply the penalties of `r`'s rows to their logits, in place."""
     # logits: [num_rows, vocab_size] fp32
     width = r.max_len
     sub = logits.index_select(0, r.rows)  # [k, vocab_size]
     tokens = r.tokens[r.slots, :width]  # [k, width]
     matches = r.matches[r.slots, :width].long()
     positions = torch.arange(width, device=logits.device)
+    if r.any_counted:
+        sub = _counted(sub, r, tokens, positions)
     if r.any_dry:
         _dry(sub, r, tokens, matches, positions)
     if r.any_lz:
         _lz(sub, r, tokens, matches, positions)
     logits.index_copy_(0, r.rows, sub)
+
+
+def _counted(
+    sub: torch.Tensor, r: RepeatPenalties, tokens: torch.Tensor, positions: torch.Tensor
+) -> torch.Tensor:
+    """The repetition, frequency and presence penalties; a row with none comes back as it was."""
+    # sub: [k, vocab_size]; tokens: [k, width]
+    k, vocab_size = sub.shape
+    seen = (positions >= r.penalty_start.unsqueeze(1)) & (positions < r.lengths.unsqueeze(1))
+    in_output = seen & (positions >= r.prompt_len.unsqueeze(1))
+    # Tokens outside are counted in a spare column, dropped.
+    counts = torch.zeros(k, vocab_size + 1, device=sub.device)
+    counts.scatter_add_(1, torch.where(in_output, tokens, vocab_size), in_output.float())
+    counts = counts[:, :vocab_size]
+    was_seen = torch.zeros(k, vocab_size + 1, dtype=torch.bool, device=sub.device)
+    was_seen.scatter_(1, torch.where(seen, tokens, vocab_size), True)
+    repetition = r.repetition.unsqueeze(1)
+    repeated = torch.where(sub > 0, sub / repetition, sub * repetition)
+    sub = torch.where(was_seen[:, :vocab_size], repeated, sub)
+    sub -= r.frequency.unsqueeze(1) * counts
+    sub -= r.presence.unsqueeze(1) * (counts > 0)
+    return sub
 
 
 def _subtract_max(sub: torch.Tensor, token_ids: torch.Tensor, penalty: torch.Tensor) -> None:

@@ -30,22 +30,6 @@ class LogitBias:
 
 
 @dataclass(frozen=True)
-class Penalties:
-    """The penalties of the rows that have any; the other rows of the batch are never touched.
-
-    Token ids are right-padded with the vocabulary size, which counts into a spare column that is
-    dropped. A row whose repetition penalty is 1 carries no prompt ids: only repetition reads them.
-    """
-
-    rows: torch.Tensor  # [num_penalty_rows] int64, rows of the batch
-    prompt_ids: torch.Tensor  # [num_penalty_rows, max_prompt_len] int64
-    output_ids: torch.Tensor  # [num_penalty_rows, max_output_len] int64
-    presence: torch.Tensor  # [num_penalty_rows] fp32
-    frequency: torch.Tensor  # [num_penalty_rows] fp32
-    repetition: torch.Tensor  # [num_penalty_rows] fp32
-
-
-@dataclass(frozen=True)
 class SamplingMetadata:
     temperature: torch.Tensor  # [num_rows] fp32; 0 marks a greedy row
     top_k: torch.Tensor  # [num_rows] int64; vocab size where disabled
@@ -58,12 +42,11 @@ class SamplingMetadata:
     banned: list[tuple[int, tuple[int, ...]]]  # (row, token ids) masked this step (min_tokens)
     max_num_logprobs: int | None  # largest top-N asked in the batch; None: no logprobs
     logit_bias: LogitBias | None = None  # None: no row has a logit bias
-    penalties: Penalties | None = None  # None: no row has penalties
     forced: list[tuple[int, int]] = field(default_factory=list)  # (row, the only token allowed)
     grammar_bitmask: torch.Tensor | None = None  # [num_rows, vocab_size / 32] int32 (xgrammar)
     grammar_rows: list[int] = field(default_factory=list)  # the rows the bitmask applies to
     truncation: Truncation | None = None  # None: no sampled row uses top-nσ, typical or XTC
-    repeats: RepeatPenalties | None = None  # None: no row uses DRY or the LZ penalty
+    penalties: RepeatPenalties | None = None  # None: no row has a penalty
 
 
 @dataclass(frozen=True)
@@ -120,9 +103,7 @@ def _adjust_logits(logits: torch.Tensor, meta: SamplingMetadata) -> None:
         bias = meta.logit_bias
         logits.index_put_((bias.rows, bias.token_ids), bias.values, accumulate=True)
     if meta.penalties is not None:
-        _apply_penalties(logits, meta.penalties)
-    if meta.repeats is not None:  # after the penalties, as in llama.cpp's chain
-        apply_repeat_penalties(logits, meta.repeats)
+        apply_repeat_penalties(logits, meta.penalties)
     if meta.grammar_bitmask is not None:
         from xgrammar import apply_token_bitmask_inplace
 
@@ -130,35 +111,6 @@ def _adjust_logits(logits: torch.Tensor, meta: SamplingMetadata) -> None:
     for row, token_id in meta.forced:  # a spent thinking budget: only the block's end remains
         logits[row].fill_(float("-inf"))
         logits[row, token_id] = 0.0
-
-
-def _apply_penalties(logits: torch.Tensor, penalties: Penalties) -> None:
-    """Penalise, in place, the tokens each penalty row has already seen.
-
-    Repetition (Hugging Face) divides a seen token's positive logit by the penalty and multiplies
-    a negative one, over prompt and output; frequency (OpenAI) subtracts per output occurrence,
-    presence once per token that occurs in the output.
-    """
-    vocab_size = logits.shape[-1]
-    rows = penalties.rows
-    penalised = logits.index_select(0, rows)  # [num_penalty_rows, vocab_size]
-    output_counts = _token_counts(penalties.output_ids, vocab_size)
-    in_output = output_counts > 0
-    seen = in_output | (_token_counts(penalties.prompt_ids, vocab_size) > 0)
-    repetition = penalties.repetition.unsqueeze(1)
-    repeated = torch.where(penalised > 0, penalised / repetition, penalised * repetition)
-    penalised = torch.where(seen, repeated, penalised)
-    penalised -= penalties.frequency.unsqueeze(1) * output_counts
-    penalised -= penalties.presence.unsqueeze(1) * in_output
-    logits.index_copy_(0, rows, penalised)
-
-
-def _token_counts(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """How often each token occurs in each row; padding (id `vocab_size`) is not counted."""
-    # token_ids: [num_rows, max_len] int64, right-padded with vocab_size
-    counts = torch.zeros(token_ids.shape[0], vocab_size + 1, device=token_ids.device)
-    counts.scatter_add_(1, token_ids, torch.ones_like(token_ids, dtype=counts.dtype))
-    return counts[:, :vocab_size]  # [num_rows, vocab_size] fp32
 
 
 def _apply_top_k_top_p(

@@ -1,7 +1,7 @@
-"""DRY and the LZ penalty end to end: our engine's greedy tokens are those of transformers' logits
-reshaped by the plain references (`tests/runner/reference_repeats.py`) one step at a time,
-batched beside a request that uses neither, under sync and async scheduling; and a preemption
-storm (recompute or swap) changes no token."""
+"""The penalties (counted, DRY, LZ) end to end: our engine's greedy tokens are those of
+transformers' logits reshaped by the plain references (`tests/runner/reference_repeats.py`) one
+step at a time, batched beside a request that uses none, under sync and async scheduling; and a
+preemption storm (recompute or swap) changes no token."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from metrale.frontend.dry_breakers import resolve_dry_breakers
 from tests.conftest import build_checkpoint
 from tests.entrypoints.test_llm_matches_transformers import prompts_of
 from tests.fidelity import NEAR_TIE
-from tests.runner.reference_repeats import ref_dry, ref_lz
+from tests.runner.reference_repeats import ref_counted, ref_dry, ref_lz
 
 MAX_NEW_TOKENS = 20
 BASE = {"temperature": 0.0, "max_tokens": MAX_NEW_TOKENS, "ignore_eos": True}
@@ -30,6 +30,13 @@ PARAMS = [
         dry_sequence_breakers=(".", ","),
         lz_penalty=0.3,
     ),
+    SamplingParams(
+        **BASE,
+        presence_penalty=0.6,
+        frequency_penalty=0.4,
+        repetition_penalty=1.3,
+        repetition_penalty_window=16,
+    ),
 ]
 
 
@@ -38,6 +45,7 @@ def case(tmp_path_factory):
     model_dir = build_checkpoint(tmp_path_factory.mktemp("qwen3"), "qwen3")
     loop = prompts_of([6], seed=3)[0]
     prompts = [loop * 5, prompts_of([30], seed=4)[0], loop * 3, loop * 4 + prompts_of([9])[0]]
+    prompts.append(loop * 2)
     return model_dir, prompts
 
 
@@ -48,6 +56,16 @@ def reference_tokens(model, prompt: list[int], params: SamplingParams) -> list[t
     for _ in range(MAX_NEW_TOKENS):
         with torch.no_grad():
             logits = model(torch.tensor([ids])).logits[0, -1].double().tolist()
+        if params.has_penalties:
+            logits = ref_counted(
+                logits,
+                ids,
+                len(prompt),
+                params.presence_penalty,
+                params.frequency_penalty,
+                params.repetition_penalty,
+                params.repetition_penalty_window,
+            )
         if params.uses_dry:
             logits = ref_dry(
                 logits,
@@ -89,7 +107,7 @@ def test_greedy_tokens_follow_transformers_with_the_references(case, scheduling)
         assert_reference(ours, reference_tokens(model.eval(), prompt, resolved), f"request {i}")
         plain = reference_tokens(model, prompt, SamplingParams(**BASE))
         changed += ours != [token for token, _ in plain]
-    assert changed >= 2  # the penalties changed what the looping prompts make the model say
+    assert changed >= 3  # the penalties changed what the looping prompts make the model say
 
 
 @pytest.mark.parametrize("preemption_mode", ["swap", "recompute"])

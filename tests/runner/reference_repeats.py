@@ -116,3 +116,25 @@ def ref_lz(logits: list[float], context: list[int], strength: float) -> list[flo
     for token, cost in cheapest.items():
         out[token] -= strength * max(0.0, literal - cost)
     return out
+
+
+def ref_counted(
+    logits: list[float],
+    context: list[int],
+    prompt_len: int,
+    presence: float,
+    frequency: float,
+    repetition: float,
+    window: int,
+) -> list[float]:
+    """vLLM's repetition, frequency and presence penalties over the last `window` tokens of
+    prompt and output (0: all): repetition over both, the others over the output."""
+    out = list(logits)
+    start = max(len(context) - window, 0) if window else 0
+    seen = context[start:]
+    output = context[max(start, prompt_len) :]
+    for token in set(seen):
+        out[token] = out[token] / repetition if out[token] > 0 else out[token] * repetition
+    for token in set(output):
+        out[token] -= frequency * output.count(token) + presence
+    return out

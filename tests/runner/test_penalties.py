@@ -16,14 +16,8 @@ from metrale.engine.request import Request
 from metrale.engine.scheduler import Scheduler
 from metrale.engine.step import ModelRunnerOutput, ScheduledChunk, TokenHistory
 from metrale.runner.model_runner import ModelRunner
-from metrale.runner.sampler import (
-    LogitBias,
-    Penalties,
-    SamplingMetadata,
-    _adjust_logits,
-    sample,
-)
-from metrale.sampling_params import SamplingParams
+from metrale.runner.sampler import SamplingMetadata, _adjust_logits, sample
+from metrale.sampling_params import SamplingParams, StructuredOutput
 
 VOCAB = 50
 
@@ -46,49 +40,15 @@ def reference(
     return torch.tensor(logits, dtype=torch.float32)
 
 
-def pad(id_lists: list[list[int]]) -> torch.Tensor:
-    """Right-padded with the vocabulary size, as the model runner ships them."""
-    width = max(len(ids) for ids in id_lists)
-    return torch.tensor([ids + [VOCAB] * (width - len(ids)) for ids in id_lists])
-
-
 def make_meta(
     params: list[SamplingParams], histories: list[tuple[list[int], list[int]] | None]
 ) -> SamplingMetadata:
-    """Metadata for a batch; a row gets penalties when its params have any."""
-    bias = [(r, t, v) for r, p in enumerate(params) for t, v in (p.logit_bias or {}).items()]
-    rows = [r for r, p in enumerate(params) if p.has_penalties]
-    penalties = None
-    if rows:
-        penalty_params = [params[r] for r in rows]
-        penalties = Penalties(
-            rows=torch.tensor(rows),
-            prompt_ids=pad([histories[r][0] for r in rows]),
-            output_ids=pad([histories[r][1] for r in rows]),
-            presence=torch.tensor([p.presence_penalty for p in penalty_params]),
-            frequency=torch.tensor([p.frequency_penalty for p in penalty_params]),
-            repetition=torch.tensor([p.repetition_penalty for p in penalty_params]),
-        )
-    return SamplingMetadata(
-        temperature=torch.tensor([p.temperature for p in params]),
-        top_k=torch.full((len(params),), VOCAB),
-        top_p=torch.ones(len(params)),
-        min_p=torch.zeros(len(params)),
-        all_greedy=all(p.greedy for p in params),
-        any_top_k_or_p=False,
-        any_min_p=False,
-        generators={},
-        banned=[],
-        max_num_logprobs=None,
-        logit_bias=LogitBias(
-            rows=torch.tensor([r for r, _, _ in bias]),
-            token_ids=torch.tensor([t for _, t, _ in bias]),
-            values=torch.tensor([v for _, _, v in bias]),
-        )
-        if bias
-        else None,
-        penalties=penalties,
-    )
+    """Metadata for a batch as the runner builds it: a row with penalties has its history."""
+    chunks = [
+        chunk(row, p, TokenHistory(*histories[row]) if p.reads_history else None)
+        for row, p in enumerate(params)
+    ]
+    return make_runner()._sampling_metadata(chunks)
 
 
 def random_history(rng: random.Random) -> tuple[list[int], list[int]]:
@@ -229,8 +189,8 @@ def make_runner() -> ModelRunner:
         )
     )
     scheduler = SchedulerConfig(
-        max_num_seqs=8,
-        max_batch_size=8,
+        max_num_seqs=16,
+        max_batch_size=16,
         max_prefill_tokens=64,
         max_num_batched_tokens=64,
         max_seq_len=64,
@@ -245,7 +205,7 @@ def chunk(row: int, params: SamplingParams, history: TokenHistory | None) -> Sch
     return ScheduledChunk(f"r{row}", [1], 0, [0], True, params, token_history=history)
 
 
-def test_runner_packs_histories_into_metadata_the_sampler_applies():
+def test_runner_keeps_histories_the_sampler_applies():
     rng = random.Random(3)
     torch.manual_seed(3)
     params = [
@@ -262,9 +222,6 @@ def test_runner_packs_histories_into_metadata_the_sampler_applies():
     ]
     meta = make_runner()._sampling_metadata(chunks)
     assert meta.penalties is not None and meta.penalties.rows.tolist() == [1, 2, 4]
-    # Only the row with a repetition penalty ships its prompt.
-    prompt_lens = (meta.penalties.prompt_ids != VOCAB).sum(dim=-1).tolist()
-    assert prompt_lens == [0, len(histories[2].prompt_token_ids), 0]
     logits = torch.randn(len(params), VOCAB) * 3
     adjusted = logits.clone()
     _adjust_logits(adjusted, meta)
@@ -337,15 +294,22 @@ def test_scheduler_shares_histories_only_with_sampling_chunks_that_have_penaltie
     assert history.output_token_ids is penalised.output_token_ids, "shared, not copied"
 
 
-def test_dry_and_lz_requests_get_histories_but_never_make_async_steps_wait():
-    """The counting penalties are decided on the host from every token so far, so a step waits
-    for its predecessor's; DRY and the LZ penalty read the history the device keeps."""
+def test_penalised_requests_get_histories_but_never_make_async_steps_wait():
+    """Every penalty reads the history the device keeps, so a request with one goes on while
+    its last token is pending; a grammar, decided on the host, makes the step wait."""
     scheduler = small_scheduler(max_prefill_tokens=64)
-    dry = Request("dry", [1, 2, 3], SamplingParams(dry_multiplier=0.8, lz_penalty=0.1))
-    scheduler.add_request(dry)
+    for i, params in enumerate(
+        [
+            SamplingParams(dry_multiplier=0.8, lz_penalty=0.1),
+            SamplingParams(presence_penalty=1.0, repetition_penalty=1.2),
+        ]
+    ):
+        scheduler.add_request(Request(f"pen{i}", [1, 2, 3], params))
     step = scheduler.schedule()
-    assert step.chunks[0].token_history is not None
-    assert not scheduler.needs_pending_tokens()  # its token is pending: no wait
-    scheduler.add_request(Request("pen", [4, 5], SamplingParams(presence_penalty=1.0)))
+    assert all(c.token_history is not None for c in step.chunks)
+    assert not scheduler.needs_pending_tokens()  # their tokens are pending: no wait
+    scheduler.add_request(
+        Request("json", [4, 5], SamplingParams(structured=StructuredOutput("json")))
+    )
     scheduler.schedule()
     assert scheduler.needs_pending_tokens()

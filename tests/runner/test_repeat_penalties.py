@@ -1,7 +1,7 @@
-"""DRY and the LZ penalty, batched on the device from the history kept there, against the plain
-references of `reference_repeats.py`, step by step as the runner drives them: the slot filled
-from the prompt, then each sampled token appended on the device, with the host one token behind
-(async scheduling) or not."""
+"""The penalties (counted, DRY, LZ), batched on the device from the history kept there, against
+the plain references of `reference_repeats.py`, step by step as the runner drives them: the
+slot filled from the prompt, then each sampled token appended on the device, with the host one
+token behind (async scheduling) or not."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from metrale.engine.step import ScheduledChunk, TokenHistory
 from metrale.runner.repeat_history import RepeatHistory, SequenceBreakers, TokenView, suffix_matches
 from metrale.runner.repeat_penalties import apply_repeat_penalties
 from metrale.sampling_params import DryBreakers, SamplingParams
-from tests.runner.reference_repeats import ref_dry, ref_lz
+from tests.runner.reference_repeats import ref_counted, ref_dry, ref_lz
 
 VOCAB = 12
 # 3 breaks alone, and 3 7 is a longer breaker from the same head; 4 heads two
@@ -62,6 +62,16 @@ class Request:
 def reference(logits: torch.Tensor, request: Request) -> torch.Tensor:
     row = logits.double().tolist()
     p = request.params
+    if p.has_penalties:
+        row = ref_counted(
+            row,
+            request.context,
+            len(request.history.prompt_token_ids),
+            p.presence_penalty,
+            p.frequency_penalty,
+            p.repetition_penalty,
+            p.repetition_penalty_window,
+        )
     if p.uses_dry:
         row = ref_dry(
             row,
@@ -142,14 +152,18 @@ tokens = st.lists(st.integers(0, 7), min_size=1, max_size=40)
     allowed=st.integers(0, 3),
     last_n=st.sampled_from([-1, 0, 1, 6, 15]),
     lz=st.sampled_from([0.0, 0.15, 1.0]),
+    counted=st.sampled_from(
+        [{}, {"presence_penalty": 0.7, "repetition_penalty": 1.3}, {"frequency_penalty": -0.5}]
+    ),
+    window=st.sampled_from([0, 1, 7]),
     async_scheduling=st.booleans(),
 )
 def test_a_batch_matches_the_references_step_by_step(
-    prompts, scripts, base, allowed, last_n, lz, async_scheduling
+    prompts, scripts, base, allowed, last_n, lz, counted, window, async_scheduling
 ):
     params = [
-        dry(dry_base=base, dry_allowed_length=allowed, dry_penalty_last_n=last_n),
-        SamplingParams(lz_penalty=max(lz, 0.5)),
+        dry(dry_base=base, dry_allowed_length=allowed, dry_penalty_last_n=last_n, **counted),
+        SamplingParams(lz_penalty=lz, repetition_penalty=1.5, repetition_penalty_window=window),
         dry(dry_base=base, dry_allowed_length=allowed, lz_penalty=lz, dry_breakers=None),
     ]
     requests = [
