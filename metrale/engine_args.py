@@ -28,6 +28,7 @@ from metrale.config import (
     parse_kv_cache_dtype,
 )
 from metrale.engine.scheduling_policy import POLICIES
+from metrale.engine.speculation.config import SpeculativeConfig
 from metrale.generation_config import GenerationDefaults
 from metrale.layers.attention import resolve_backend
 
@@ -80,6 +81,7 @@ class EngineConfig:
     async_scheduling: bool = False  # prepare step N+1 while step N runs
     quantization: str | None = None  # gguf: GGUF linear weights stay packed
     log_stats: bool = True  # each step's figures (StepStats) and the server's /metrics
+    speculative: SpeculativeConfig | None = None  # None: no speculative decoding
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -133,6 +135,10 @@ class EngineArgs:
     scheduler: str = "fifo"
     tbt_deadline_ms: float | None = None
     disable_log_stats: bool = False
+    speculative_config: str | None = None
+    num_speculative_tokens: int | None = None
+    ngram_min: int | None = None
+    ngram_max: int | None = None
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -303,6 +309,7 @@ class EngineArgs:
             action="store_false",
             help="do not reuse KV blocks of shared prefixes",
         )
+        SpeculativeConfig.add_cli_args(parser)
         g = parser.add_argument_group("statistics")
         g.add_argument(
             "--disable-log-stats",
@@ -409,6 +416,12 @@ class EngineArgs:
             async_scheduling=self.scheduler_config == "async"
             or (self.scheduler_config == "auto" and device.type == "cuda"),
             log_stats=not self.disable_log_stats,
+            speculative=SpeculativeConfig.parse(
+                self.speculative_config,
+                self.num_speculative_tokens,
+                self.ngram_min,
+                self.ngram_max,
+            ),
         )
 
 

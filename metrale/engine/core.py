@@ -22,6 +22,7 @@ from metrale.engine.kv_cache_manager import KVCacheManager
 from metrale.engine.messages import EngineOutput, EngineRequest, StepStats
 from metrale.engine.request import Request
 from metrale.engine.scheduler import Scheduler
+from metrale.engine.speculation.speculator import NgramSpeculator
 from metrale.engine.step import ModelRunnerOutput, SchedulerOutput
 from metrale.engine.swap_space import SwapCosts, SwapSpace
 from metrale.engine_args import EngineConfig
@@ -84,6 +85,7 @@ class EngineCore:
             config.scheduler,
             KVCacheManager(pool, config.cache.block_size),
             swap=swap_space(config, runner),
+            speculator=None if config.speculative is None else NgramSpeculator(config.speculative),
         )
         logger.info(
             "engine ready in %.2f s: %s on %s (%s), %d KV blocks of %d tokens (%s), %s scheduling",

@@ -88,6 +88,15 @@ class DeviceMemory(msgspec.Struct, frozen=True):
     budget_bytes: int | None = None
 
 
+class SpecDecodeStats(msgspec.Struct, frozen=True):
+    """Speculative decoding's counts since start, as vLLM's `spec_decode_*` metrics count them."""
+
+    num_drafts: int  # steps of a request that carried drafts
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    accepted_per_position: list[int]  # [i]: drafts accepted at position i
+
+
 class KVCacheStats(msgspec.Struct, frozen=True):
     """The KV pool as the engine last saw it; read by `/memory`."""
 
@@ -104,6 +113,7 @@ class KVCacheStats(msgspec.Struct, frozen=True):
     memory: DeviceMemory | None = None
     num_recomputed_tokens: int = 0  # computed, dropped by a preemption, computed again
     swap: SwapStats | None = None  # the host pool, with --swap-space-gb
+    spec_decode: SpecDecodeStats | None = None  # with --speculative-config
 
     @property
     def usage(self) -> float:

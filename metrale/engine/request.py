@@ -39,6 +39,7 @@ class Request:
     arrival_time_s: float = field(default_factory=time.monotonic)
     priority: int = 0  # the priority policy serves lower values first
     deadline_s: float | None = None  # aborted at the first step past it (kept when preempted)
+    speculates: bool = False  # its decodes may carry drafts (engine/speculation/)
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -112,21 +113,22 @@ class Request:
     @property
     def is_host_decided(self) -> bool:
         """Whether its steps are shaped on the host from its tokens so far: a grammar's mask,
-        a thinking budget's forced close. (The penalties read a history kept on the device.)"""
+        a thinking budget's forced close, drafts proposed from the tokens. (The penalties read a
+        history kept on the device.)"""
         params = self.sampling_params
-        return params.structured is not None or params.thinking is not None
+        return params.structured is not None or params.thinking is not None or self.speculates
 
     @property
     def needs_pending_tokens(self) -> bool:
         """Whether its next step must wait for the ids of its pending tokens.
 
-        A grammar and a thinking budget about to run out are decided on the host from the
-        tokens so far; other requests go on without knowing them.
+        A grammar, drafts and a thinking budget about to run out are decided on the host from
+        the tokens so far; other requests go on without knowing them.
         """
         if self.num_pending_tokens == 0 or not self.is_host_decided:
             return False
         params = self.sampling_params
-        if params.structured is not None:
+        if params.structured is not None or self.speculates:
             return True
         thinking = params.thinking
         # Inside a block the pending tokens may spend the budget. Outside one they cannot: with

@@ -31,6 +31,7 @@ from metrale.engine.kv_cache_manager import KVCacheManager
 from metrale.engine.messages import EngineOutput, FinishReason
 from metrale.engine.request import Request, RequestStatus
 from metrale.engine.scheduling_policy import PrefillBudget, make_policy
+from metrale.engine.speculation.speculator import NgramSpeculator
 from metrale.engine.step import (
     PENDING_TOKEN_ID,
     ModelRunnerOutput,
@@ -49,10 +50,12 @@ class Scheduler:
         kv_cache: KVCacheManager,
         clock: Callable[[], float] = time.monotonic,
         swap: SwapSpace | None = None,
+        speculator: NgramSpeculator | None = None,
     ) -> None:
         self.config = config
         self.kv_cache = kv_cache
         self.swap = swap
+        self.speculator = speculator
         self.policy = make_policy(config.policy, config.tbt_deadline_ms)
         self.clock = clock
         self.waiting: deque[Request] = deque()
@@ -76,6 +79,8 @@ class Scheduler:
         self._last_prefill_work = (0, 0.0)  # of the step scheduled last (step_time.py)
 
     def add_request(self, request: Request) -> None:
+        if self.speculator is not None:
+            request.speculates = self.speculator.can_speculate(request.sampling_params)
         self.waiting.append(request)
         self.requests[request.request_id] = request
         if request.is_host_decided:
@@ -136,7 +141,8 @@ class Scheduler:
             if num_new == 0:
                 i += 1
                 continue
-            while not self.kv_cache.allocate(request, num_new):
+            drafts = self._drafts(request, token_budget - 1) if num_new == 1 else []
+            while not self.kv_cache.allocate(request, num_new + len(drafts)):
                 # only a request not yet scheduled this step can give up its blocks
                 victim = self.policy.victim(self.running[i:])
                 self.running.remove(victim)
@@ -145,9 +151,9 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                chunks.append(self._schedule_chunk(request, num_new))
+                chunks.append(self._schedule_chunk(request, num_new, drafts))
                 scheduled.append(request)
-                token_budget -= num_new
+                token_budget -= num_new + len(drafts)
                 if num_new > 1:
                     prefill_budget.spend(start, num_new)
                 i += 1
@@ -178,7 +184,7 @@ class Scheduler:
             if num_new > 1:
                 prefill_budget.spend(start, num_new)
 
-        if prefill_budget.spent:  # some chunk has more than 1 token
+        if prefill_budget.spent or any(c.draft_token_ids for c in chunks):
             chunks, scheduled = _one_token_chunks_first(chunks, scheduled)
         if self.policy.learns_step_times:
             self._last_prefill_work = _prefill_work(chunks)
@@ -245,27 +251,27 @@ class Scheduler:
             # delays the step before it. The time is the larger prefill's of the two.
             work = max(_prefill_work(scheduled.chunks), self._last_prefill_work)
             self.policy.observe_step(*work, now - self._busy_since_s)
-        sampled = iter(zip(result.sampled_token_ids, result.logprobs, strict=True))
+        accepted_drafts = result.accepted_draft_ids or [[]] * len(result.sampled_token_ids)
+        sampled = iter(zip(result.sampled_token_ids, result.logprobs, accepted_drafts, strict=True))
         for request, chunk in zip(scheduled.requests, scheduled.chunks, strict=True):
             if not chunk.samples:
                 continue
-            token_id, logprobs = next(sampled)
+            token_id, logprobs, accepted = next(sampled)
             if request.is_finished:  # it stopped or was aborted while this step ran
                 continue
             request.num_pending_tokens -= 1
-            request.append_output_token(token_id)
-            request.last_token_time_s = now
-            if first := request.num_output_tokens == 1:
-                request.first_token_time_s = now
+            if chunk.draft_token_ids:  # the rejected drafts' KV is computed again
+                request.num_computed_tokens -= len(chunk.draft_token_ids) - len(accepted)
+                assert self.speculator is not None
+                self.speculator.record(len(chunk.draft_token_ids), len(accepted))
+            first = request.num_output_tokens == 0
+            token_ids, finish_reason = self._give_tokens(request, [*accepted, token_id], now)
             if logprobs is not None:
                 request.output_logprobs.append(logprobs)
-            finish_reason = self._check_stop(request, token_id)
-            if finish_reason is not None:
-                self._finish(request, finish_reason)
             outputs.append(
                 EngineOutput(
                     request.request_id,
-                    [token_id],
+                    token_ids,
                     [] if logprobs is None else [logprobs],
                     finish_reason,
                     request.num_cached_prompt_tokens,
@@ -277,6 +283,22 @@ class Scheduler:
         if scheduled.chunks and self.policy.learns_step_times:
             self._busy_since_s = now if self.running else None
         return outputs
+
+    def _give_tokens(
+        self, request: Request, token_ids: list[int], now: float
+    ) -> tuple[list[int], FinishReason | None]:
+        """Append a step's tokens to the request up to the first that ends it; those tokens, and
+        why it ended (None: it goes on)."""
+        request.last_token_time_s = now
+        if request.num_output_tokens == 0:
+            request.first_token_time_s = now
+        for i, token_id in enumerate(token_ids):
+            request.append_output_token(token_id)
+            finish_reason = self._check_stop(request, token_id)
+            if finish_reason is not None:
+                self._finish(request, finish_reason)
+                return token_ids[: i + 1], finish_reason
+        return token_ids, None
 
     @staticmethod
     def _num_tokens_to_compute(
@@ -299,8 +321,23 @@ class Scheduler:
             return True
         return request.num_tokens + num_pending >= self.config.max_seq_len
 
-    def _schedule_chunk(self, request: Request, num_new: int) -> ScheduledChunk:
-        """The request's next `num_new` tokens, counted as computed (and sampled) from now."""
+    def _drafts(self, request: Request, max_tokens: int) -> list[int]:
+        """Drafts for a speculating request's decode, as many as its limits leave room for."""
+        if self.speculator is None or not request.speculates or request.num_pending_tokens:
+            return []
+        params = request.sampling_params
+        if request.num_output_tokens < params.min_tokens:
+            return []  # stops are banned position by position until then
+        room = self.config.max_seq_len - request.num_tokens - 1
+        if params.max_tokens is not None:
+            room = min(room, params.max_tokens - request.num_output_tokens - 1)
+        return self.speculator.propose(request, min(max_tokens, room))
+
+    def _schedule_chunk(
+        self, request: Request, num_new: int, drafts: list[int] | None = None
+    ) -> ScheduledChunk:
+        """The request's next `num_new` tokens (then its drafts), counted as computed (and
+        sampled) from now."""
         start = request.num_computed_tokens
         end = start + num_new
         params = request.sampling_params
@@ -330,7 +367,9 @@ class Scheduler:
         token_ids = request.all_token_ids[start:end]
         if end > request.num_tokens:
             token_ids += [PENDING_TOKEN_ID] * (end - max(start, request.num_tokens))
-        request.num_computed_tokens = end
+        drafts = drafts or []
+        token_ids += drafts
+        request.num_computed_tokens = end + len(drafts)
         request.num_pending_tokens += samples
         return ScheduledChunk(
             request_id=request.request_id,
@@ -344,6 +383,7 @@ class Scheduler:
             forced_token_id=thinking.end_token_id if request.thinking_budget_spent else None,
             structured=structured,
             thinking_opener=opener,
+            draft_token_ids=tuple(drafts),
         )
 
     def _check_stop(self, request: Request, token_id: int) -> FinishReason | None:
@@ -390,6 +430,8 @@ class Scheduler:
         else:
             self.waiting.remove(request)
         self._host_decided.pop(request.request_id, None)
+        if self.speculator is not None:
+            self.speculator.free(request.request_id)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         self.kv_cache.free(request)

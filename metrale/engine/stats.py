@@ -50,6 +50,7 @@ def kv_cache_stats(core: EngineCore) -> KVCacheStats:
         memory=device_memory(core),
         num_recomputed_tokens=scheduler.num_recomputed_tokens,
         swap=None if scheduler.swap is None else scheduler.swap.stats(),
+        spec_decode=None if scheduler.speculator is None else scheduler.speculator.stats,
     )
 
 

@@ -53,6 +53,9 @@ class ScheduledChunk:
     # A token the grammar also allows: the thinking opener, while the reply may still open a
     # thinking block before its grammar starts (the grammar applies after the block).
     thinking_opener: int | None = None
+    # Speculative drafts: the last of `token_ids`, guesses of the tokens after the one this
+    # chunk samples; the step checks each against what it would sample in its place.
+    draft_token_ids: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -82,10 +85,13 @@ class SchedulerOutput:
 
 @dataclass(frozen=True)
 class ModelRunnerOutput:
-    """One sampled token (and its logprobs, when asked) per chunk that samples, in chunk order."""
+    """One sampled token (and its logprobs, when asked) per chunk that samples, in chunk order;
+    before it, the chunk's drafts that its step accepted."""
 
     sampled_token_ids: list[int]
     logprobs: list[TokenLogprobs | None]
+    # Per sampling chunk, the drafts accepted before the sampled token; None: no chunk drafted.
+    accepted_draft_ids: list[list[int]] | None = None
     # How long the device took (see `StepStats`), how long the host waited for it, and whether
     # it ran as a CUDA graph replay.
     device_s: float | None = None

@@ -56,12 +56,13 @@ class InputBuffers:
         self.seq_lens = InputBuffer((max_num_seqs,), torch.int64, device)
         self.query_start_loc = InputBuffer((max_num_seqs + 1,), torch.int64, device)
         self.block_tables = InputBuffer((max_num_seqs, max_blocks_per_seq), torch.int64, device)
-        self.logits_indices = InputBuffer((max_num_seqs,), torch.int64, device)
+        # One row per sampled position: a sequence's, or each position of a chunk with drafts.
+        self.logits_indices = InputBuffer((max_num_tokens,), torch.int64, device)
         # Where a pending token goes in `input_ids`, and its row in the previous step's samples.
         self.pending_dst = InputBuffer((max_num_seqs,), torch.int64, device)
         self.pending_src = InputBuffer((max_num_seqs,), torch.int64, device)
         # The sampling parameters of each row.
-        self.temperature = InputBuffer((max_num_seqs,), torch.float32, device)
-        self.top_k = InputBuffer((max_num_seqs,), torch.int64, device)
-        self.top_p = InputBuffer((max_num_seqs,), torch.float32, device)
-        self.min_p = InputBuffer((max_num_seqs,), torch.float32, device)
+        self.temperature = InputBuffer((max_num_tokens,), torch.float32, device)
+        self.top_k = InputBuffer((max_num_tokens,), torch.int64, device)
+        self.top_p = InputBuffer((max_num_tokens,), torch.float32, device)
+        self.min_p = InputBuffer((max_num_tokens,), torch.float32, device)

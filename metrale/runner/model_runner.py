@@ -32,7 +32,7 @@ from metrale.runner.input_buffers import InputBuffers, to_device
 from metrale.runner.kv_cache import PagedKVCache, SwapTiming
 from metrale.runner.repeat_history import RepeatHistory
 from metrale.runner.repeat_penalties import RepeatPenalties
-from metrale.runner.sampler import LogitBias, SamplerOutput, SamplingMetadata, sample
+from metrale.runner.sampler import Drafts, LogitBias, SamplerOutput, SamplingMetadata, sample
 from metrale.runner.structured_output import StructuredOutputs
 from metrale.runner.truncation import Truncation
 from metrale.sampling_params import SamplingParams
@@ -172,12 +172,23 @@ class ModelRunner:
                 self._record_inputs_copied()
                 return LaunchedStep([], None, None)
             logits = self.model.compute_logits(hidden[logits_indices])
-        metadata = self._sampling_metadata(sampling_chunks)
+        rows = sampling_chunks
+        drafts = None
+        if any(c.draft_token_ids for c in sampling_chunks):
+            # A chunk with drafts samples at each of their positions too: one row each.
+            rows = [c for c in sampling_chunks for _ in range(1 + len(c.draft_token_ids))]
+            drafts = self._drafts(sampling_chunks)
+        metadata = self._sampling_metadata(rows, drafts)
         self._record_inputs_copied()
         result = sample(logits.float(), metadata)
         if metadata.penalties is not None:
             self.repeat_history.append(metadata.penalties, result.token_ids)
         self._last_samples = result.token_ids
+        if len(rows) > len(sampling_chunks):  # each chunk's own row: the first of its rows
+            first_rows = np.cumsum([0] + [1 + len(c.draft_token_ids) for c in sampling_chunks])
+            self._last_samples = result.token_ids[
+                to_device(first_rows[:-1], torch.int64, self.device)
+            ]
         self._last_sampling_chunks = sampling_chunks
         step = self._copy_to_host(result, sampling_chunks)
         step.cuda_graph = graph is not None
@@ -232,7 +243,13 @@ class ModelRunner:
             b.start_positions.np[i] = chunk.start_pos
             b.seq_lens.np[i] = chunk.start_pos + n
             b.query_start_loc.np[i + 1] = end
-            if chunk.samples:
+            if chunk.draft_token_ids:  # the logits at its last token and at each draft
+                num_rows = 1 + len(chunk.draft_token_ids)
+                b.logits_indices.np[num_samples : num_samples + num_rows] = np.arange(
+                    end - num_rows, end
+                )
+                num_samples += num_rows
+            elif chunk.samples:
                 b.logits_indices.np[num_samples] = end - 1
                 num_samples += 1
             num_tokens = end
@@ -283,7 +300,25 @@ class ModelRunner:
             b.logits_indices.copy_to_device(self._num_samples),
         )
 
-    def _sampling_metadata(self, chunks: list[ScheduledChunk]) -> SamplingMetadata:
+    def _drafts(self, chunks: list[ScheduledChunk]) -> Drafts | None:
+        """The rows of sampled (not greedy) chunks that check a draft; None when none does."""
+        rows, token_ids = [], []
+        row = 0
+        for chunk in chunks:
+            drafts = chunk.draft_token_ids
+            if drafts and not chunk.sampling_params.greedy:
+                rows += range(row, row + len(drafts))
+                token_ids += drafts
+            row += 1 + len(drafts)
+        if not rows:
+            return None
+        return Drafts(
+            self._tensor(rows, torch.int64), self._tensor(token_ids, torch.int64), tuple(rows)
+        )
+
+    def _sampling_metadata(
+        self, chunks: list[ScheduledChunk], drafts: Drafts | None = None
+    ) -> SamplingMetadata:
         params = [c.sampling_params for c in chunks]
         vocab_size = self.model_config.vocab_size
         b = self.buffers
@@ -313,6 +348,7 @@ class ModelRunner:
             max_num_logprobs=max(logprobs) if logprobs else None,
             logit_bias=self._logit_bias(params),
             truncation=self._truncation(params),
+            drafts=drafts,
             penalties=self._penalties(chunks),
             forced=[
                 (row, c.forced_token_id)
@@ -423,7 +459,8 @@ class ModelRunner:
             "swap_s": swap_s,
         }
         result, chunks = step.samples, step.chunks
-        token_ids = result.token_ids.tolist()
+        token_ids, accepted, rows = verify(chunks, result.token_ids.tolist())
+        timing["accepted_draft_ids"] = accepted
         for chunk, token_id in zip(chunks, token_ids, strict=True):
             if chunk.structured is None or self.structured_outputs is None:
                 continue
@@ -436,14 +473,39 @@ class ModelRunner:
         top_ids = result.top_ids.tolist()
         top_logprobs = result.top_logprobs.tolist()
         logprobs: list[TokenLogprobs | None] = []
-        for row, chunk in enumerate(chunks):
+        for row, chunk, token_id in zip(rows, chunks, token_ids, strict=True):
             n = chunk.sampling_params.logprobs
             if n is None:
                 logprobs.append(None)
                 continue
             top = list(zip(top_ids[row][:n], top_logprobs[row][:n], strict=True))
-            logprobs.append(TokenLogprobs(token_ids[row], chosen[row], ranks[row], top))
+            logprobs.append(TokenLogprobs(token_id, chosen[row], ranks[row], top))
         return ModelRunnerOutput(token_ids, logprobs, **timing)
+
+
+def verify(
+    chunks: list[ScheduledChunk], row_token_ids: list[int]
+) -> tuple[list[int], list[list[int]] | None, list[int]]:
+    """Each sampling chunk's token, the drafts it accepted before it (None: no chunk drafted)
+    and the row it was sampled at, from the tokens sampled at every row (a chunk with drafts has
+    a row per draft position after its own). A draft is accepted while it equals the token
+    sampled in its place; the token sampled after the last accepted one is the chunk's."""
+    if len(row_token_ids) == len(chunks):
+        return row_token_ids, None, list(range(len(chunks)))
+    token_ids, accepted, rows = [], [], []
+    row = 0
+    for chunk in chunks:
+        drafts = chunk.draft_token_ids
+        num_accepted = 0
+        while (
+            num_accepted < len(drafts) and drafts[num_accepted] == row_token_ids[row + num_accepted]
+        ):
+            num_accepted += 1
+        accepted.append(list(drafts[:num_accepted]))
+        token_ids.append(row_token_ids[row + num_accepted])
+        rows.append(row + num_accepted)
+        row += 1 + len(drafts)
+    return token_ids, accepted, rows
 
 
 def prefill_probe(num_tokens: int, block_size: int) -> SchedulerOutput:

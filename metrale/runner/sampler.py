@@ -30,6 +30,16 @@ class LogitBias:
 
 
 @dataclass(frozen=True)
+class Drafts:
+    """The rows that check a speculative draft, and the draft each checks: the token the row
+    samples is the draft if accepted, else what replaces it."""
+
+    rows: torch.Tensor  # [num_draft_rows] int64, rows of the batch
+    token_ids: torch.Tensor  # [num_draft_rows] int64
+    host_rows: tuple[int, ...]  # the same rows, on the host (for the seeded rows' draws)
+
+
+@dataclass(frozen=True)
 class SamplingMetadata:
     temperature: torch.Tensor  # [num_rows] fp32; 0 marks a greedy row
     top_k: torch.Tensor  # [num_rows] int64; vocab size where disabled
@@ -46,6 +56,7 @@ class SamplingMetadata:
     grammar_bitmask: torch.Tensor | None = None  # [num_rows, vocab_size / 32] int32 (xgrammar)
     grammar_rows: list[int] = field(default_factory=list)  # the rows the bitmask applies to
     truncation: Truncation | None = None  # None: no sampled row uses top-nσ, typical or XTC
+    drafts: Drafts | None = None  # None: no sampled row checks a draft
     penalties: RepeatPenalties | None = None  # None: no row has a penalty
 
 
@@ -84,6 +95,8 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         for row, generator in meta.generators.items():
             noise[row].exponential_(generator=generator)
         sampled_ids = (probs / noise).argmax(dim=-1)
+        if meta.drafts is not None:
+            sampled_ids = _check_drafts(probs, noise, sampled_ids, meta.drafts, meta.generators)
         token_ids = torch.where(is_greedy, greedy_ids, sampled_ids)
 
     if raw_logprobs is None:
@@ -92,6 +105,35 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
     ranks = (raw_logprobs > chosen).sum(dim=-1) + 1
     top_logprobs, top_ids = raw_logprobs.topk(meta.max_num_logprobs, dim=-1)
     return SamplerOutput(token_ids, chosen.squeeze(1), ranks, top_ids, top_logprobs)
+
+
+def _check_drafts(
+    probs: torch.Tensor,
+    noise: torch.Tensor,
+    sampled_ids: torch.Tensor,
+    drafts: Drafts,
+    generators: dict[int, torch.Generator],
+) -> torch.Tensor:
+    """Rejection sampling of drafts that came with no distribution (prompt lookup: a point
+    mass): a row keeps its draft with the probability its target distribution gives the draft,
+    else it takes a sample of that distribution without the draft, which is the residual
+    `max(0, p - q)` renormalized. Either way the row's token follows the target distribution,
+    and the next row's draft counts only if this one was kept (the host stops at the first
+    replaced row). Greedy rows keep their argmax, the same rule at temperature 0."""
+    # probs: [num_rows, vocab_size], unnormalized (min-p zeroes without renormalizing)
+    rows, draft_ids = drafts.rows, drafts.token_ids
+    p = probs.index_select(0, rows)  # [num_draft_rows, vocab_size]
+    p_draft = p.gather(1, draft_ids.unsqueeze(1)).squeeze(1)
+    draws = torch.rand(rows.shape[0], device=probs.device)
+    if generators:
+        for i, row in enumerate(drafts.host_rows):
+            if (generator := generators.get(row)) is not None:
+                draws[i] = torch.rand(1, generator=generator, device=probs.device)[0]
+    kept = draws * p.sum(dim=-1) < p_draft
+    # The exponential race over every token but the draft: a sample of the rest.
+    without = p.scatter(1, draft_ids.unsqueeze(1), 0.0)
+    replaced = (without / noise.index_select(0, rows)).argmax(dim=-1)
+    return sampled_ids.index_copy(0, rows, torch.where(kept, draft_ids, replaced))
 
 
 def _adjust_logits(logits: torch.Tensor, meta: SamplingMetadata) -> None:

@@ -14,7 +14,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from metrale.engine.messages import EngineRequest, KVCacheStats, Outputs, RequestTiming
+from metrale.engine.messages import (
+    EngineRequest,
+    KVCacheStats,
+    Outputs,
+    RequestTiming,
+    SpecDecodeStats,
+)
 from metrale.frontend.output_processor import CompletionDelta
 from metrale.telemetry import events
 from metrale.telemetry.bus import EventBus
@@ -218,6 +224,8 @@ class Telemetry:
             )
             if kv.swap is not None:
                 self._swap_metrics(kv, previous)
+            if kv.spec_decode is not None:
+                self._spec_decode_metrics(kv.spec_decode, previous)
             for step in batch.steps:
                 metrics.iteration_tokens.observe(step.num_tokens)
                 if step.host_s is not None:
@@ -251,6 +259,22 @@ class Telemetry:
             ("in", swap.blocks_in, 0 if before is None else before.blocks_in),
         ):
             metrics.child(metrics.swapped_blocks, direction).inc(now_count - then_count)
+
+    def _spec_decode_metrics(self, spec: SpecDecodeStats, previous: KVCacheStats | None) -> None:
+        metrics = self.metrics
+        assert metrics is not None
+        before = None if previous is None else previous.spec_decode
+        for counter, name in (
+            (metrics.spec_decode_num_drafts, "num_drafts"),
+            (metrics.spec_decode_num_draft_tokens, "num_draft_tokens"),
+            (metrics.spec_decode_num_accepted_tokens, "num_accepted_tokens"),
+        ):
+            counter.inc(getattr(spec, name) - (0 if before is None else getattr(before, name)))
+        for position, count in enumerate(spec.accepted_per_position):
+            then = 0 if before is None else before.accepted_per_position[position]
+            if count > then:
+                per_position = metrics.spec_decode_num_accepted_tokens_per_pos
+                metrics.child(per_position, str(position)).inc(count - then)
 
     def _summarize(self, kv: KVCacheStats, now: float) -> events.StepSummary:
         window = self._summary

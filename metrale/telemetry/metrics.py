@@ -120,6 +120,20 @@ class Metrics:
         self.recomputed_tokens = counter(
             "recomputed_tokens", "Tokens computed again after a preemption dropped them"
         )
+        self.spec_decode_num_drafts = counter(
+            "spec_decode_num_drafts", "Steps of a request that carried speculative drafts"
+        )
+        self.spec_decode_num_draft_tokens = counter(
+            "spec_decode_num_draft_tokens", "Speculative draft tokens checked"
+        )
+        self.spec_decode_num_accepted_tokens = counter(
+            "spec_decode_num_accepted_tokens", "Speculative draft tokens accepted"
+        )
+        self.spec_decode_num_accepted_tokens_per_pos = counter(
+            "spec_decode_num_accepted_tokens_per_pos",
+            "Speculative draft tokens accepted, by their position in the draft",
+            ("position",),
+        )
         self.prefix_cache_queries = counter(
             "prefix_cache_queries", "Prompt tokens looked up in the prefix cache"
         )

@@ -1,0 +1,102 @@
+"""Speculative decoding's settings (`--speculative-config`), resolved once."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+
+METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Prompt-lookup drafts of up to `num_speculative_tokens` tokens, proposed from the longest
+    n-gram (`ngram_min <= n <= ngram_max`) that ends the request's tokens and occurred before."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    ngram_min: int = 2
+    ngram_max: int = 5
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(
+                f"speculative method {self.method!r} is not known: use one of {', '.join(METHODS)}"
+            )
+        if not 1 <= self.num_speculative_tokens <= 32:
+            raise ValueError(
+                f"num_speculative_tokens={self.num_speculative_tokens} is out of range: "
+                "must be in [1, 32]"
+            )
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(
+                f"ngram_min={self.ngram_min}, ngram_max={self.ngram_max}: need "
+                "1 <= ngram_min <= ngram_max"
+            )
+
+    @classmethod
+    def parse(
+        cls,
+        value: str | None,
+        num_speculative_tokens: int | None = None,
+        ngram_min: int | None = None,
+        ngram_max: int | None = None,
+    ) -> SpeculativeConfig | None:
+        """`--speculative-config` as a method name or as vLLM's JSON object (`method`,
+        `num_speculative_tokens`, `prompt_lookup_min`, `prompt_lookup_max`); the separate flags
+        win over the JSON's fields. None: no speculation."""
+        if value is None:
+            if any(v is not None for v in (num_speculative_tokens, ngram_min, ngram_max)):
+                raise ValueError(
+                    "--num-speculative-tokens, --ngram-min and --ngram-max need "
+                    "--speculative-config ngram"
+                )
+            return None
+        fields: dict = {}
+        if value.lstrip().startswith("{"):
+            try:
+                raw = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
+            names = {
+                "method": "method",
+                "num_speculative_tokens": "num_speculative_tokens",
+                "prompt_lookup_min": "ngram_min",
+                "prompt_lookup_max": "ngram_max",
+            }
+            unknown = sorted(set(raw) - set(names))
+            if unknown:
+                raise ValueError(
+                    f"--speculative-config: unknown key {', '.join(unknown)} (known: "
+                    f"{', '.join(names)})"
+                )
+            fields = {names[k]: v for k, v in raw.items()}
+        else:
+            fields["method"] = value
+        overrides = {
+            "num_speculative_tokens": num_speculative_tokens,
+            "ngram_min": ngram_min,
+            "ngram_max": ngram_max,
+        }
+        fields |= {k: v for k, v in overrides.items() if v is not None}
+        return cls(**fields)
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        g = parser.add_argument_group("speculative decoding")
+        g.add_argument(
+            "--speculative-config",
+            metavar="METHOD|JSON",
+            help="ngram: draft tokens from the longest earlier match of the request's last "
+            "tokens (prompt lookup), verified in one forward; greedy outputs are unchanged. Also "
+            'vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+            '"prompt_lookup_min": 2, "prompt_lookup_max": 5}',
+        )
+        g.add_argument(
+            "--num-speculative-tokens",
+            type=int,
+            help="draft tokens per step at most (default 4)",
+        )
+        g.add_argument("--ngram-min", type=int, help="shortest n-gram matched (default 2)")
+        g.add_argument("--ngram-max", type=int, help="longest n-gram matched (default 5)")

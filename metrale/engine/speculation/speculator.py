@@ -1,0 +1,74 @@
+"""Which requests speculate, their drafts, and how many of the drafts the steps accepted.
+
+The scheduler asks `propose()` for a decode's drafts; they ride in its chunk after the token the
+step samples anyway (`ScheduledChunk.draft_token_ids`), so one forward computes the logits at
+every draft position. The runner keeps the longest prefix of drafts that equals what it samples
+at their positions, plus the token it samples after them: greedy, the argmax, exactly the tokens
+decoding one at a time would give; sampled, by rejection sampling (`runner/sampler.py`), tokens
+of the same distribution. The scheduler then takes back the computed count of
+the rejected drafts, whose KV slots the next steps overwrite.
+
+A request speculates when nothing about its next token depends on a state the host updates
+token by token beyond the tokens themselves: without penalties (they read the device's
+history one token a step), a grammar, a thinking budget, logprobs, or stop tokens still banned
+by `min_tokens`. The others decode one token a step, as without speculation.
+"""
+
+from __future__ import annotations
+
+from metrale.engine.messages import SpecDecodeStats
+from metrale.engine.request import Request
+from metrale.engine.speculation.config import SpeculativeConfig
+from metrale.engine.speculation.ngram import NgramIndex
+from metrale.sampling_params import SamplingParams
+
+
+class NgramSpeculator:
+    """The n-gram index of every speculating request, kept as its tokens arrive."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.accepted_per_position = [0] * config.num_speculative_tokens
+        self._indices: dict[str, NgramIndex] = {}
+
+    @property
+    def stats(self) -> SpecDecodeStats:
+        return SpecDecodeStats(
+            self.num_drafts,
+            self.num_draft_tokens,
+            self.num_accepted_tokens,
+            list(self.accepted_per_position),
+        )
+
+    @staticmethod
+    def can_speculate(params: SamplingParams) -> bool:
+        return (
+            not params.reads_history
+            and params.structured is None
+            and params.thinking is None
+            and params.logprobs is None
+        )
+
+    def propose(self, request: Request, max_tokens: int) -> list[int]:
+        """Up to `max_tokens` drafts after the request's tokens (all known to the host)."""
+        if max_tokens <= 0:
+            return []
+        index = self._indices.get(request.request_id)
+        if index is None:
+            index = NgramIndex(self.config.ngram_min, self.config.ngram_max)
+            self._indices[request.request_id] = index
+        index.extend(request.all_token_ids[len(index) :])
+        return index.propose(min(max_tokens, self.config.num_speculative_tokens))
+
+    def record(self, num_drafted: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafted
+        self.num_accepted_tokens += num_accepted
+        for position in range(num_accepted):
+            self.accepted_per_position[position] += 1
+
+    def free(self, request_id: str) -> None:
+        self._indices.pop(request_id, None)
