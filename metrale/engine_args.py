@@ -139,6 +139,8 @@ class EngineArgs:
     num_speculative_tokens: int | None = None
     ngram_min: int | None = None
     ngram_max: int | None = None
+    shared_lookup: bool = False
+    shared_lookup_entries: int | None = None
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -421,6 +423,8 @@ class EngineArgs:
                 self.num_speculative_tokens,
                 self.ngram_min,
                 self.ngram_max,
+                self.shared_lookup,
+                self.shared_lookup_entries,
             ),
         )
 

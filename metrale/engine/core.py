@@ -22,6 +22,7 @@ from metrale.engine.kv_cache_manager import KVCacheManager
 from metrale.engine.messages import EngineOutput, EngineRequest, StepStats
 from metrale.engine.request import Request
 from metrale.engine.scheduler import Scheduler
+from metrale.engine.speculation.shared_lookup import SharedLookup, model_fingerprints
 from metrale.engine.speculation.speculator import NgramSpeculator
 from metrale.engine.step import ModelRunnerOutput, SchedulerOutput
 from metrale.engine.swap_space import SwapCosts, SwapSpace
@@ -85,7 +86,7 @@ class EngineCore:
             config.scheduler,
             KVCacheManager(pool, config.cache.block_size),
             swap=swap_space(config, runner),
-            speculator=None if config.speculative is None else NgramSpeculator(config.speculative),
+            speculator=None if config.speculative is None else speculator(config),
         )
         logger.info(
             "engine ready in %.2f s: %s on %s (%s), %d KV blocks of %d tokens (%s), %s scheduling",
@@ -111,6 +112,7 @@ class EngineCore:
                 arrival_time_s=request.arrival_time_s,
                 priority=request.priority,
                 deadline_s=request.deadline_s,
+                tenant=request.tenant,
             )
         )
 
@@ -184,6 +186,24 @@ class EngineCore:
                     swap_s=result.swap_s,
                 )
             )
+
+
+def speculator(config: EngineConfig) -> NgramSpeculator:
+    """The n-gram speculator of `--speculative-config`, with its shared table if asked."""
+    spec = config.speculative
+    assert spec is not None
+    shared = None
+    if spec.shared_lookup:
+        fingerprints = model_fingerprints(config.model_name, config.model_dir)
+        shared = SharedLookup(
+            spec.ngram_max, spec.num_speculative_tokens, spec.shared_lookup_entries, fingerprints
+        )
+        logger.info(
+            "shared n-gram lookup: up to %d entries, model %s, tokenizer %s",
+            spec.shared_lookup_entries,
+            *fingerprints,
+        )
+    return NgramSpeculator(spec, shared)
 
 
 def swap_space(config: EngineConfig, runner: ModelRunner) -> SwapSpace | None:

@@ -41,6 +41,7 @@ class EngineRequest(msgspec.Struct, frozen=True):
     arrival_time_s: float
     priority: int = 0  # lower first, under --scheduler priority
     deadline_s: float | None = None  # time.monotonic() past which the engine aborts it
+    tenant: str | None = None  # the API key's client: whose text its drafts may come from
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):

@@ -40,6 +40,7 @@ class Request:
     priority: int = 0  # the priority policy serves lower values first
     deadline_s: float | None = None  # aborted at the first step past it (kept when preempted)
     speculates: bool = False  # its decodes may carry drafts (engine/speculation/)
+    tenant: str | None = None  # the API key's client (the shared lookup keeps tenants apart)
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

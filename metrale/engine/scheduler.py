@@ -431,7 +431,7 @@ class Scheduler:
             self.waiting.remove(request)
         self._host_decided.pop(request.request_id, None)
         if self.speculator is not None:
-            self.speculator.free(request.request_id)
+            self.speculator.finish(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         self.kv_cache.free(request)

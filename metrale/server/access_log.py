@@ -56,6 +56,7 @@ class RequestRecord:
     first_token_s: float | None = None
     finish_reasons: dict[str, int] = field(default_factory=dict)  # per choice
     compaction: Any = None  # the server.compaction.Compaction of its prompt, if compacted
+    tenant: str | None = None  # the client its API key identified (None: no keys, or none)
 
     @property
     def api(self) -> str:

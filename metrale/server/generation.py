@@ -129,7 +129,13 @@ def prepare(
             seed = (params.seed + i - INT64_MIN) % 2**64 + INT64_MIN  # stays an int64
             child_params = dataclasses.replace(params, seed=seed)
         child = EngineRequest(
-            f"{request_id}-{i}", prompt_token_ids, child_params, now, priority, deadline_s
+            f"{request_id}-{i}",
+            prompt_token_ids,
+            child_params,
+            now,
+            priority,
+            deadline_s,
+            tenant=None if record is None else record.tenant,
         )
         try:
             validate_request(state.config, child)

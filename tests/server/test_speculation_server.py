@@ -65,3 +65,54 @@ def test_replies_are_the_script_and_the_metrics_count_the_drafts(speculating):
 def openai_tokens(server: RunningServer, text: str) -> list[int]:
     body = {"model": MODEL_NAME, "prompt": text}
     return httpx.post(server.base_url + "/tokenize", json=body, timeout=10).json()["tokens"]
+
+
+@pytest.fixture(scope="module")
+def sharing(scripted, tmp_path_factory) -> Iterator[RunningServer]:
+    log_path = tmp_path_factory.mktemp("serve-shared-lookup") / "server.log"
+    args = (
+        "--speculative-config",
+        "ngram",
+        "--num-speculative-tokens",
+        "6",
+        "--shared-lookup",
+        "--api-key",
+        "alice-key",
+        "--api-key",
+        "bob-key",
+    )
+    with serving(scripted.path, log_path, *args) as running:
+        yield running
+
+
+def accepted_with(server: RunningServer, key: str) -> float:
+    """The drafts accepted while the client with `key` gets the script's reply once."""
+    name = f'metrale:spec_decode_num_accepted_tokens_total{{model_name="{MODEL_NAME}"}}'
+    before = counters_with(server, key).get(name, 0.0)
+    client = openai.OpenAI(base_url=server.api_url, api_key=key, max_retries=0)
+    messages = [{"role": "user", "content": f"Say it{KEYWORD}."}]
+    reply = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=200)
+    assert reply.choices[0].message.content == REPLY
+    return counters_with(server, key)[name] - before
+
+
+def counters_with(server: RunningServer, key: str) -> dict[str, float]:
+    text = httpx.get(
+        server.base_url + "/metrics", headers={"authorization": f"Bearer {key}"}, timeout=10
+    ).text
+    return {
+        name: float(value)
+        for name, value in (line.rsplit(" ", 1) for line in text.splitlines())
+        if name.startswith("metrale:spec_decode_")
+    }
+
+
+def test_a_tenants_finished_text_drafts_its_next_request_and_only_its(sharing):
+    """Its own text drafts only the later copies of a reply; the shared table, fed by the
+    tenant's first request, drafts the first copy of the next one too. Another tenant starts
+    from its own text alone."""
+    alone = accepted_with(sharing, "alice-key")
+    again = accepted_with(sharing, "alice-key")
+    other = accepted_with(sharing, "bob-key")
+    assert again > alone
+    assert other == alone

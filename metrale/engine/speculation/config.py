@@ -18,6 +18,9 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4
     ngram_min: int = 2
     ngram_max: int = 5
+    # A table across requests (shared_lookup.py), read when a request's own tokens have no match
+    shared_lookup: bool = False
+    shared_lookup_entries: int = 262_144
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -28,6 +31,10 @@ class SpeculativeConfig:
             raise ValueError(
                 f"num_speculative_tokens={self.num_speculative_tokens} is out of range: "
                 "must be in [1, 32]"
+            )
+        if self.shared_lookup_entries < 1:
+            raise ValueError(
+                f"shared_lookup_entries={self.shared_lookup_entries} is out of range: must be >= 1"
             )
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(
@@ -42,15 +49,18 @@ class SpeculativeConfig:
         num_speculative_tokens: int | None = None,
         ngram_min: int | None = None,
         ngram_max: int | None = None,
+        shared_lookup: bool = False,
+        shared_lookup_entries: int | None = None,
     ) -> SpeculativeConfig | None:
         """`--speculative-config` as a method name or as vLLM's JSON object (`method`,
         `num_speculative_tokens`, `prompt_lookup_min`, `prompt_lookup_max`); the separate flags
         win over the JSON's fields. None: no speculation."""
         if value is None:
-            if any(v is not None for v in (num_speculative_tokens, ngram_min, ngram_max)):
+            flags = (num_speculative_tokens, ngram_min, ngram_max, shared_lookup_entries)
+            if shared_lookup or any(v is not None for v in flags):
                 raise ValueError(
-                    "--num-speculative-tokens, --ngram-min and --ngram-max need "
-                    "--speculative-config ngram"
+                    "--num-speculative-tokens, --ngram-min, --ngram-max and --shared-lookup "
+                    "need --speculative-config ngram"
                 )
             return None
         fields: dict = {}
@@ -78,6 +88,8 @@ class SpeculativeConfig:
             "num_speculative_tokens": num_speculative_tokens,
             "ngram_min": ngram_min,
             "ngram_max": ngram_max,
+            "shared_lookup": shared_lookup or None,
+            "shared_lookup_entries": shared_lookup_entries,
         }
         fields |= {k: v for k, v in overrides.items() if v is not None}
         return cls(**fields)
@@ -100,3 +112,15 @@ class SpeculativeConfig:
         )
         g.add_argument("--ngram-min", type=int, help="shortest n-gram matched (default 2)")
         g.add_argument("--ngram-max", type=int, help="longest n-gram matched (default 5)")
+        g.add_argument(
+            "--shared-lookup",
+            action="store_true",
+            help="also draft from a table of finished requests' text (what followed each "
+            "--ngram-max-gram), kept apart per API key, when a request's own text has no match",
+        )
+        g.add_argument(
+            "--shared-lookup-entries",
+            type=int,
+            help="n-grams the shared table holds at most, least recently used evicted first "
+            "(default 262144, about 90 MB)",
+        )

@@ -20,14 +20,16 @@ from metrale.engine.messages import SpecDecodeStats
 from metrale.engine.request import Request
 from metrale.engine.speculation.config import SpeculativeConfig
 from metrale.engine.speculation.ngram import NgramIndex
+from metrale.engine.speculation.shared_lookup import SharedLookup
 from metrale.sampling_params import SamplingParams
 
 
 class NgramSpeculator:
     """The n-gram index of every speculating request, kept as its tokens arrive."""
 
-    def __init__(self, config: SpeculativeConfig) -> None:
+    def __init__(self, config: SpeculativeConfig, shared: SharedLookup | None = None) -> None:
         self.config = config
+        self.shared = shared
         self.num_drafts = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -61,7 +63,11 @@ class NgramSpeculator:
             index = NgramIndex(self.config.ngram_min, self.config.ngram_max)
             self._indices[request.request_id] = index
         index.extend(request.all_token_ids[len(index) :])
-        return index.propose(min(max_tokens, self.config.num_speculative_tokens))
+        num_tokens = min(max_tokens, self.config.num_speculative_tokens)
+        drafts = index.propose(num_tokens)
+        if not drafts and self.shared is not None:
+            drafts = self.shared.lookup(request.tenant, index.tokens)[:num_tokens]
+        return drafts
 
     def record(self, num_drafted: int, num_accepted: int) -> None:
         self.num_drafts += 1
@@ -70,5 +76,8 @@ class NgramSpeculator:
         for position in range(num_accepted):
             self.accepted_per_position[position] += 1
 
-    def free(self, request_id: str) -> None:
-        self._indices.pop(request_id, None)
+    def finish(self, request: Request) -> None:
+        """Forget a finished request's index; its text goes into the shared table."""
+        self._indices.pop(request.request_id, None)
+        if self.shared is not None:
+            self.shared.feed(request.tenant, request.all_token_ids)

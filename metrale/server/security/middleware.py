@@ -24,7 +24,7 @@ from typing import Any
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from metrale.server import sse
+from metrale.server import access_log, sse
 from metrale.server.anthropic.errors import is_anthropic_path, note_error, shaped
 from metrale.server.errors import APIError
 from metrale.server.security.api_keys import presented_keys
@@ -90,6 +90,8 @@ class EdgeMiddleware:
                 client = client or guard.keys.identify(key)
             if client is None:
                 return authentication_error()
+            if (record := access_log.current_record()) is not None:
+                record.tenant = client
         limiter = guard.limiter
         if not limiter.enabled or not path.startswith("/v1/"):
             return None
