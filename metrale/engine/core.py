@@ -203,7 +203,7 @@ def speculator(config: EngineConfig) -> NgramSpeculator:
             spec.shared_lookup_entries,
             *fingerprints,
         )
-    return NgramSpeculator(spec, shared)
+    return NgramSpeculator(spec, shared, config.async_scheduling)
 
 
 def swap_space(config: EngineConfig, runner: ModelRunner) -> SwapSpace | None:

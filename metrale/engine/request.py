@@ -40,6 +40,7 @@ class Request:
     priority: int = 0  # the priority policy serves lower values first
     deadline_s: float | None = None  # aborted at the first step past it (kept when preempted)
     speculates: bool = False  # its decodes may carry drafts (engine/speculation/)
+    draft_resume_at: int = 0  # no drafts before it has this many tokens (a pause, speculator.py)
     tenant: str | None = None  # the API key's client (the shared lookup keeps tenants apart)
 
     status: RequestStatus = RequestStatus.WAITING
@@ -129,8 +130,10 @@ class Request:
         if self.num_pending_tokens == 0 or not self.is_host_decided:
             return False
         params = self.sampling_params
-        if params.structured is not None or self.speculates:
+        if params.structured is not None:
             return True
+        if self.speculates:  # it drafts again once its pause is over
+            return self.num_tokens + self.num_pending_tokens >= self.draft_resume_at
         thinking = params.thinking
         # Inside a block the pending tokens may spend the budget. Outside one they cannot: with
         # the budget spent the scheduler bans opening another block.

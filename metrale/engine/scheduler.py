@@ -263,7 +263,7 @@ class Scheduler:
             if chunk.draft_token_ids:  # the rejected drafts' KV is computed again
                 request.num_computed_tokens -= len(chunk.draft_token_ids) - len(accepted)
                 assert self.speculator is not None
-                self.speculator.record(len(chunk.draft_token_ids), len(accepted))
+                self.speculator.record(request, len(chunk.draft_token_ids), len(accepted))
             first = request.num_output_tokens == 0
             token_ids, finish_reason = self._give_tokens(request, [*accepted, token_id], now)
             if logprobs is not None:

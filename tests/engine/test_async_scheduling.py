@@ -182,3 +182,22 @@ def test_a_spent_thinking_budget_bans_opening_another_block(configs):
     core.scheduler.add_request(request("r", prompt_len=4, max_tokens=3, thinking=budget))
     run(core)
     assert all(7 in c.banned_token_ids for s in runner.steps for c in s.chunks)
+
+
+def test_a_speculating_request_that_finds_no_drafts_stops_waiting(configs):
+    """Each lookup waits for the step before (drafts need the last token); after the lookups
+    that find nothing pause its drafting, its decodes go on with their token pending."""
+    from metrale.engine.speculation.config import SpeculativeConfig
+    from metrale.engine.speculation.speculator import ATTEMPTS, NgramSpeculator
+
+    speculator = NgramSpeculator(SpeculativeConfig(), async_scheduling=True)
+    runner = FakeRunner()
+    core = engine(configs["async"], runner, speculator=speculator)
+    req = request("spec", prompt_len=4, max_tokens=30)
+    core.scheduler.add_request(req)
+    outputs, _ = run(core)
+    assert outputs["spec"] == expected_tokens(req, 30)  # scripted tokens never repeat a 2-gram
+    chunks = [c for s in runner.steps for c in s.chunks]
+    waited = [PENDING_TOKEN_ID not in c.token_ids for c in chunks[1:]]  # past the prefill
+    assert all(waited[:ATTEMPTS]) and not all(waited)
+    assert req.draft_resume_at > 0 and speculator.stats.num_drafts == 0

@@ -56,3 +56,34 @@ def test_no_match_no_draft():
 def test_bad_bounds_are_refused():
     with pytest.raises(ValueError, match="ngram_min"):
         NgramIndex(3, 2)
+
+
+def test_a_request_whose_drafts_fail_pauses_longer_each_time():
+    """Under async scheduling, lookups that find nothing (each waited for the step before), or
+    drafts rejected, pause drafting for 8 tokens, then 16; an attempt that pays resets it."""
+    from metrale.engine.request import Request
+    from metrale.engine.speculation.config import SpeculativeConfig
+    from metrale.engine.speculation.speculator import ATTEMPTS, FIRST_PAUSE, NgramSpeculator
+    from metrale.sampling_params import SamplingParams
+
+    speculator = NgramSpeculator(SpeculativeConfig(ngram_min=2, ngram_max=2), async_scheduling=True)
+    request = Request("r", [1, 2, 3, 4, 5, 6], SamplingParams())
+    for _ in range(ATTEMPTS):  # no 2-gram repeats yet: each lookup is a miss
+        assert speculator.propose(request, 4) == []
+        request.append_output_token(100 + request.num_tokens)
+    assert request.draft_resume_at == request.num_tokens - 1 + FIRST_PAUSE
+    for token in [1, 2]:  # "1 2" repeats: a match, but paused
+        request.append_output_token(token)
+    assert request.num_tokens < request.draft_resume_at
+    assert speculator.propose(request, 4) == []
+    while request.num_tokens < request.draft_resume_at:
+        request.append_output_token(1)
+        request.append_output_token(2)
+    assert speculator.propose(request, 4) != []  # drafts again after the pause
+    for _ in range(ATTEMPTS):
+        speculator.record(request, 4, 0)  # all rejected: the next pause is twice as long
+    assert request.draft_resume_at == request.num_tokens + 2 * FIRST_PAUSE
+    request.draft_resume_at = 0
+    for _ in range(ATTEMPTS):
+        speculator.record(request, 4, 3)
+    assert speculator._requests["r"].pause == FIRST_PAUSE

@@ -24,6 +24,7 @@ def make_scheduler(
     max_num_batched_tokens=None,
     max_seq_len=256,
     prefix_caching=True,
+    speculator=None,
 ):
     max_batch_size = max_batch_size or max_num_seqs
     config = SchedulerConfig(
@@ -34,7 +35,7 @@ def make_scheduler(
         max_seq_len=max_seq_len,
     )
     pool = BlockPool(num_blocks, enable_prefix_caching=prefix_caching)
-    return Scheduler(config, KVCacheManager(pool, BLOCK))
+    return Scheduler(config, KVCacheManager(pool, BLOCK), speculator=speculator)
 
 
 def request(rid, prompt_len=10, max_tokens=5, first_token=0, **params):

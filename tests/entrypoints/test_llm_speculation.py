@@ -50,8 +50,8 @@ def test_greedy_outputs_are_unchanged(case, scheduling):
     )
     assert spec == plain
     stats = llm.engine.scheduler.speculator.stats
-    # Random weights rarely repeat themselves: most drafts are rejected, every one checked.
-    assert stats.num_draft_tokens >= 20
+    # Random weights rarely repeat themselves: most drafts are rejected (then drafting pauses).
+    assert stats.num_draft_tokens >= 10
     assert sum(stats.accepted_per_position) == stats.num_accepted_tokens
     pool = llm.engine.scheduler.kv_cache.pool
     assert pool.num_free_blocks == pool.num_blocks
@@ -128,10 +128,12 @@ def test_a_model_that_repeats_itself_takes_several_tokens_a_step(tmp_path, sched
     assert plain[0] == spec[0] == [*reply, tokenizer.token_to_id("<|im_end|>")]
     stats = llm.engine.scheduler.speculator.stats
     # Most of the second and third copies came as accepted drafts; departures rejected some.
-    assert stats.num_accepted_tokens >= len(reply) // 2
+    # (Under async scheduling the first copy's fruitless lookups pause drafting a while.)
+    assert stats.num_accepted_tokens >= len(reply) // (2 if scheduling == "sync" else 3)
     assert stats.num_draft_tokens > stats.num_accepted_tokens
     steps = [s for s in llm.engine.step_stats if s.num_requests]
-    assert len(steps) < len(reply) // 2
+    # a step per token the drafts did not bring (async computes one more past the end)
+    assert len(steps) <= len(reply) + 2 - stats.num_accepted_tokens
 
 
 def test_bad_speculative_settings_are_refused(case):

@@ -16,6 +16,9 @@ by `min_tokens`. The others decode one token a step, as without speculation.
 
 from __future__ import annotations
 
+from collections import deque
+from dataclasses import dataclass, field
+
 from metrale.engine.messages import SpecDecodeStats
 from metrale.engine.request import Request
 from metrale.engine.speculation.config import SpeculativeConfig
@@ -23,18 +26,41 @@ from metrale.engine.speculation.ngram import NgramIndex
 from metrale.engine.speculation.shared_lookup import SharedLookup
 from metrale.sampling_params import SamplingParams
 
+# A request whose latest ATTEMPTS drafting steps gained fewer than MIN_ACCEPTED_PER_ATTEMPT tokens
+# a step pauses drafting for a while, longer each time: a drafting step checks its drafts eagerly.
+# Under async scheduling a lookup that finds nothing counts as an attempt too: to look, the step
+# waited for the one before.
+ATTEMPTS = 4
+MIN_ACCEPTED_PER_ATTEMPT = 0.5
+FIRST_PAUSE, LONGEST_PAUSE = 8, 256  # tokens
+
+
+@dataclass
+class _Drafting:
+    """A speculating request's n-gram index and how its recent drafts fared."""
+
+    index: NgramIndex
+    recent: deque[int] = field(default_factory=lambda: deque(maxlen=ATTEMPTS))  # accepted
+    pause: int = FIRST_PAUSE  # tokens, the next time it pauses
+
 
 class NgramSpeculator:
     """The n-gram index of every speculating request, kept as its tokens arrive."""
 
-    def __init__(self, config: SpeculativeConfig, shared: SharedLookup | None = None) -> None:
+    def __init__(
+        self,
+        config: SpeculativeConfig,
+        shared: SharedLookup | None = None,
+        async_scheduling: bool = False,
+    ) -> None:
         self.config = config
         self.shared = shared
+        self.async_scheduling = async_scheduling
         self.num_drafts = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.accepted_per_position = [0] * config.num_speculative_tokens
-        self._indices: dict[str, NgramIndex] = {}
+        self._requests: dict[str, _Drafting] = {}
 
     @property
     def stats(self) -> SpecDecodeStats:
@@ -56,28 +82,46 @@ class NgramSpeculator:
 
     def propose(self, request: Request, max_tokens: int) -> list[int]:
         """Up to `max_tokens` drafts after the request's tokens (all known to the host)."""
-        if max_tokens <= 0:
+        if max_tokens <= 0 or request.num_tokens < request.draft_resume_at:
             return []
-        index = self._indices.get(request.request_id)
-        if index is None:
-            index = NgramIndex(self.config.ngram_min, self.config.ngram_max)
-            self._indices[request.request_id] = index
+        state = self._requests.get(request.request_id)
+        if state is None:
+            state = _Drafting(NgramIndex(self.config.ngram_min, self.config.ngram_max))
+            self._requests[request.request_id] = state
+        index = state.index
         index.extend(request.all_token_ids[len(index) :])
         num_tokens = min(max_tokens, self.config.num_speculative_tokens)
         drafts = index.propose(num_tokens)
         if not drafts and self.shared is not None:
             drafts = self.shared.lookup(request.tenant, index.tokens)[:num_tokens]
+        if not drafts and self.async_scheduling:
+            self._attempted(request, state, 0)
         return drafts
 
-    def record(self, num_drafted: int, num_accepted: int) -> None:
+    def record(self, request: Request, num_drafted: int, num_accepted: int) -> None:
+        """A step checked `num_drafted` drafts of the request and kept `num_accepted`."""
         self.num_drafts += 1
         self.num_draft_tokens += num_drafted
         self.num_accepted_tokens += num_accepted
         for position in range(num_accepted):
             self.accepted_per_position[position] += 1
+        if (state := self._requests.get(request.request_id)) is not None:
+            self._attempted(request, state, num_accepted)
+
+    @staticmethod
+    def _attempted(request: Request, state: _Drafting, num_accepted: int) -> None:
+        state.recent.append(num_accepted)
+        if len(state.recent) < ATTEMPTS:
+            return
+        if sum(state.recent) >= MIN_ACCEPTED_PER_ATTEMPT * ATTEMPTS:
+            state.pause = FIRST_PAUSE
+            return
+        request.draft_resume_at = request.num_tokens + state.pause
+        state.pause = min(2 * state.pause, LONGEST_PAUSE)
+        state.recent.clear()
 
     def finish(self, request: Request) -> None:
         """Forget a finished request's index; its text goes into the shared table."""
-        self._indices.pop(request.request_id, None)
+        self._requests.pop(request.request_id, None)
         if self.shared is not None:
             self.shared.feed(request.tenant, request.all_token_ids)
