@@ -505,6 +505,22 @@ def b1(results: dict) -> None:
     print(f"B1 transformers: {hf_rate:.1f} tok/s; ours/hf = {ours / hf_rate:.1f}x")
 
 
+def b1_spec(results: dict) -> None:
+    """B1 (8B shape, async) without and with `--speculative-config ngram`, in one call. Random
+    weights repeat nothing, so drafts never pay: what speculation costs a request it cannot
+    help (the lookups, the waits for the step before, the pauses that end them)."""
+    prompt = torch.randint(0, 128000, (128,)).tolist()
+    variants = {"plain": {}, "ngram": {"speculative_config": "ngram"}}
+    rates: dict[str, list[float]] = {name: [] for name in variants}
+    for name, flags in variants.items():
+        core = engine(LLAMA_8B, max_seq_len=2048, max_num_seqs=8, **flags)
+        rates[name] += b1_rates(core, prompt, repeats=3)
+        release(core)
+    plain, ngram = (sorted(rates[n])[len(rates[n]) // 2] for n in variants)
+    results["b1_spec"] = {"runs": rates, "plain": plain, "ngram": ngram, "ratio": ngram / plain}
+    print(f"B1 spec: plain {plain:.1f}, ngram {ngram:.1f} tok/s ({ngram / plain:.3f}x)")
+
+
 B2_MODELS = {"qwen3_0.6b": QWEN3_06B, "llama_8b": LLAMA_8B}
 
 
@@ -726,6 +742,7 @@ def main() -> None:
         nargs="+",
         choices=[
             "b1",
+            "b1_spec",
             "b2",
             "b2_knobs",
             "b3",
