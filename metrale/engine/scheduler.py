@@ -251,12 +251,20 @@ class Scheduler:
             # delays the step before it. The time is the larger prefill's of the two.
             work = max(_prefill_work(scheduled.chunks), self._last_prefill_work)
             self.policy.observe_step(*work, now - self._busy_since_s)
-        accepted_drafts = result.accepted_draft_ids or [[]] * len(result.sampled_token_ids)
-        sampled = iter(zip(result.sampled_token_ids, result.logprobs, accepted_drafts, strict=True))
+        no_drafts = [[]] * len(result.sampled_token_ids)
+        sampled = iter(
+            zip(
+                result.sampled_token_ids,
+                result.logprobs,
+                result.accepted_draft_ids or no_drafts,
+                result.accepted_draft_logprobs or no_drafts,
+                strict=True,
+            )
+        )
         for request, chunk in zip(scheduled.requests, scheduled.chunks, strict=True):
             if not chunk.samples:
                 continue
-            token_id, logprobs, accepted = next(sampled)
+            token_id, logprobs, accepted, accepted_logprobs = next(sampled)
             if request.is_finished:  # it stopped or was aborted while this step ran
                 continue
             request.num_pending_tokens -= 1
@@ -266,13 +274,15 @@ class Scheduler:
                 self.speculator.record(request, len(chunk.draft_token_ids), len(accepted))
             first = request.num_output_tokens == 0
             token_ids, finish_reason = self._give_tokens(request, [*accepted, token_id], now)
-            if logprobs is not None:
-                request.output_logprobs.append(logprobs)
+            # the logprobs of the tokens given (a stop among the drafts cuts the rest)
+            given_logprobs = [] if logprobs is None else [*accepted_logprobs, logprobs]
+            given_logprobs = given_logprobs[: len(token_ids)]
+            request.output_logprobs.extend(given_logprobs)
             outputs.append(
                 EngineOutput(
                     request.request_id,
                     token_ids,
-                    [] if logprobs is None else [logprobs],
+                    given_logprobs,
                     finish_reason,
                     request.num_cached_prompt_tokens,
                     # the engine's milestones are all known once it has its first token

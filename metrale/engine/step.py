@@ -92,6 +92,8 @@ class ModelRunnerOutput:
     logprobs: list[TokenLogprobs | None]
     # Per sampling chunk, the drafts accepted before the sampled token; None: no chunk drafted.
     accepted_draft_ids: list[list[int]] | None = None
+    # Their logprobs, where the chunk asks for logprobs (else empty lists); None: no chunk drafted.
+    accepted_draft_logprobs: list[list[TokenLogprobs]] | None = None
     # How long the device took (see `StepStats`), how long the host waited for it, and whether
     # it ran as a CUDA graph replay.
     device_s: float | None = None

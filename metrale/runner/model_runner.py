@@ -472,14 +472,23 @@ class ModelRunner:
         ranks = result.ranks.tolist()
         top_ids = result.top_ids.tolist()
         top_logprobs = result.top_logprobs.tolist()
-        logprobs: list[TokenLogprobs | None] = []
-        for row, chunk, token_id in zip(rows, chunks, token_ids, strict=True):
-            n = chunk.sampling_params.logprobs
-            if n is None:
-                logprobs.append(None)
-                continue
+
+        def at(row: int, token_id: int, n: int) -> TokenLogprobs:
             top = list(zip(top_ids[row][:n], top_logprobs[row][:n], strict=True))
-            logprobs.append(TokenLogprobs(token_id, chosen[row], ranks[row], top))
+            return TokenLogprobs(token_id, chosen[row], ranks[row], top)
+
+        logprobs: list[TokenLogprobs | None] = []
+        drafts_logprobs: list[list[TokenLogprobs]] = []
+        for i, (row, chunk, token_id) in enumerate(zip(rows, chunks, token_ids, strict=True)):
+            n = chunk.sampling_params.logprobs
+            kept = [] if accepted is None else accepted[i]
+            # An accepted draft was sampled at its own row, the rows before the chunk's token's.
+            drafts_logprobs.append(
+                [at(row - len(kept) + j, t, n) for j, t in enumerate(kept)] if n is not None else []
+            )
+            logprobs.append(None if n is None else at(row, token_id, n))
+        if accepted is not None:
+            timing["accepted_draft_logprobs"] = drafts_logprobs
         return ModelRunnerOutput(token_ids, logprobs, **timing)
 
 

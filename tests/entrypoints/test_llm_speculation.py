@@ -115,8 +115,8 @@ def test_a_model_that_repeats_itself_takes_several_tokens_a_step(tmp_path, sched
     text = tokenizer.apply_chat_template([{"role": "user", "content": f"Say it{KEYWORD}."}])
     prompt = tokenizer.encode(text, add_special_tokens=False)
     reply = list(scripted.replies[KEYWORD].token_ids)
-    params = SamplingParams(temperature=0.0, max_tokens=len(reply) + 4)
-    plain, _ = generate(scripted.path, [prompt], params, scheduler_config=scheduling)
+    params = SamplingParams(temperature=0.0, max_tokens=len(reply) + 4, logprobs=3)
+    plain, plain_llm = generate(scripted.path, [prompt], params, scheduler_config=scheduling)
     spec, llm = generate(
         scripted.path,
         [prompt],
@@ -134,6 +134,16 @@ def test_a_model_that_repeats_itself_takes_several_tokens_a_step(tmp_path, sched
     steps = [s for s in llm.engine.step_stats if s.num_requests]
     # a step per token the drafts did not bring (async computes one more past the end)
     assert len(steps) <= len(reply) + 2 - stats.num_accepted_tokens
+    # Logprobs for every token, accepted drafts too, as decoding one at a time gives them.
+    with_logprobs = [
+        x.generate([prompt], params, use_tqdm=False)[0].outputs[0].logprobs
+        for x in (plain_llm, llm)
+    ]
+    assert len(with_logprobs[0]) == len(with_logprobs[1]) == len(plain[0])
+    for ours, theirs in zip(*with_logprobs, strict=True):
+        assert ours.keys() == theirs.keys()
+        for token, lp in ours.items():
+            assert abs(lp.logprob - theirs[token].logprob) < 1e-4 and lp.rank == theirs[token].rank
 
 
 def test_bad_speculative_settings_are_refused(case):

@@ -51,6 +51,14 @@ def test_replies_are_the_script_and_the_metrics_count_the_drafts(speculating):
         model=MODEL_NAME, messages=messages, max_tokens=200, stream=True
     )
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == REPLY
+    with_logprobs = client.chat.completions.create(
+        model=MODEL_NAME, messages=messages, max_tokens=200, logprobs=True, top_logprobs=2
+    )
+    content = with_logprobs.choices[0].logprobs.content
+    # every token's, accepted drafts too (the end token's as well, as without drafts)
+    assert "".join(t.token for t in content).startswith(REPLY)
+    assert len(content) == with_logprobs.usage.completion_tokens
+    assert all(len(t.top_logprobs) == 2 for t in content)
     found = counters(speculating)
     accepted = found[f'metrale:spec_decode_num_accepted_tokens_total{{model_name="{MODEL_NAME}"}}']
     drafted = found[f'metrale:spec_decode_num_draft_tokens_total{{model_name="{MODEL_NAME}"}}']

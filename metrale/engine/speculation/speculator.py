@@ -10,8 +10,8 @@ the rejected drafts, whose KV slots the next steps overwrite.
 
 A request speculates when nothing about its next token depends on a state the host updates
 token by token beyond the tokens themselves: without penalties (they read the device's
-history one token a step), a grammar, a thinking budget, logprobs, or stop tokens still banned
-by `min_tokens`. The others decode one token a step, as without speculation.
+history one token a step), a grammar, a thinking budget, or stop tokens still banned by
+`min_tokens`. The others decode one token a step, as without speculation.
 """
 
 from __future__ import annotations
@@ -73,12 +73,7 @@ class NgramSpeculator:
 
     @staticmethod
     def can_speculate(params: SamplingParams) -> bool:
-        return (
-            not params.reads_history
-            and params.structured is None
-            and params.thinking is None
-            and params.logprobs is None
-        )
+        return not params.reads_history and params.structured is None and params.thinking is None
 
     def propose(self, request: Request, max_tokens: int) -> list[int]:
         """Up to `max_tokens` drafts after the request's tokens (all known to the host)."""
