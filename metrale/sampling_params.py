@@ -8,7 +8,9 @@ scheduler and never disturbs the requests already running.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 @dataclass(frozen=True)
@@ -139,6 +141,7 @@ class SamplingParams:
         object.__setattr__(
             self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         )
+        self._check_integer_ranges()
         if self.n < 1:
             _fail("n", self.n, "must be >= 1")
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -197,6 +200,19 @@ class SamplingParams:
             _fail("logprobs", self.logprobs, f"must be in [0, {self.MAX_LOGPROBS}]")
         if any(t < 0 for t in self.stop_token_ids):
             _fail("stop_token_ids", list(self.stop_token_ids), "token ids must be >= 0")
+
+    def _check_integer_ranges(self) -> None:
+        """Every integer knob fits the 64-bit integers the engine's tensors hold (a larger one
+        would fail there, mid-step)."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            values = value if isinstance(value, tuple) else (value,)
+            for item in values:
+                if isinstance(item, int) and not INT64_MIN <= item <= INT64_MAX:
+                    _fail(f.name, value, "must fit in 64 bits")
+        for token_id in self.logit_bias or {}:
+            if not INT64_MIN <= token_id <= INT64_MAX:
+                _fail("logit_bias", token_id, "keys must fit in 64 bits")
 
     def _check_repeat_penalties(self) -> None:
         if not math.isfinite(self.dry_multiplier) or self.dry_multiplier < 0:

@@ -88,6 +88,11 @@ def test_resolved_breakers_cross_to_the_engine_process(tokenizer):
         ({"dry_sequence_breakers": ("a",) * 33}, "dry_sequence_breakers"),
         ({"lz_penalty": float("nan")}, "lz_penalty"),
         ({"lz_penalty": -0.1}, "lz_penalty"),
+        # integers past 64 bits would fail in the engine's tensors, mid-step
+        ({"dry_allowed_length": 2**64}, "dry_allowed_length"),
+        ({"top_k": 10**20}, "top_k"),
+        ({"repetition_penalty_window": 2**70}, "repetition_penalty_window"),
+        ({"stop_token_ids": (2**64,)}, "stop_token_ids"),
     ],
 )
 def test_bad_values_are_refused_naming_the_field(fields, problem):
