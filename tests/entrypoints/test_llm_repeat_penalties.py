@@ -13,7 +13,7 @@ from metrale.frontend.dry_breakers import resolve_dry_breakers
 from tests.conftest import build_checkpoint
 from tests.entrypoints.test_llm_matches_transformers import prompts_of
 from tests.fidelity import NEAR_TIE
-from tests.runner.reference_repeats import ref_counted, ref_dry, ref_lz
+from tests.runner.reference_repeats import ref_penalised
 
 MAX_NEW_TOKENS = 20
 BASE = {"temperature": 0.0, "max_tokens": MAX_NEW_TOKENS, "ignore_eos": True}
@@ -56,28 +56,7 @@ def reference_tokens(model, prompt: list[int], params: SamplingParams) -> list[t
     for _ in range(MAX_NEW_TOKENS):
         with torch.no_grad():
             logits = model(torch.tensor([ids])).logits[0, -1].double().tolist()
-        if params.has_penalties:
-            logits = ref_counted(
-                logits,
-                ids,
-                len(prompt),
-                params.presence_penalty,
-                params.frequency_penalty,
-                params.repetition_penalty,
-                params.repetition_penalty_window,
-            )
-        if params.uses_dry:
-            logits = ref_dry(
-                logits,
-                ids,
-                params.dry_multiplier,
-                params.dry_base,
-                params.dry_allowed_length,
-                params.dry_penalty_last_n,
-                params.dry_breakers,
-            )
-        if params.lz_penalty > 0:
-            logits = ref_lz(logits, ids, params.lz_penalty)
+        logits = ref_penalised(logits, ids, len(prompt), params)
         top2 = torch.tensor(logits).topk(2)
         steps.append((int(top2.indices[0]), float(top2.values[0] - top2.values[1])))
         ids.append(steps[-1][0])

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-from metrale.sampling_params import DryBreakers
+from metrale.sampling_params import DryBreakers, SamplingParams
 
 
 def ref_dry(
@@ -138,3 +138,32 @@ def ref_counted(
     for token in set(output):
         out[token] -= frequency * output.count(token) + presence
     return out
+
+
+def ref_penalised(
+    logits: list[float], context: list[int], prompt_len: int, params: SamplingParams
+) -> list[float]:
+    """Every penalty `params` asks for, in the engine's order: counted, DRY, LZ."""
+    if params.has_penalties:
+        logits = ref_counted(
+            logits,
+            context,
+            prompt_len,
+            params.presence_penalty,
+            params.frequency_penalty,
+            params.repetition_penalty,
+            params.repetition_penalty_window,
+        )
+    if params.uses_dry:
+        logits = ref_dry(
+            logits,
+            context,
+            params.dry_multiplier,
+            params.dry_base,
+            params.dry_allowed_length,
+            params.dry_penalty_last_n,
+            params.dry_breakers,
+        )
+    if params.lz_penalty > 0:
+        logits = ref_lz(logits, context, params.lz_penalty)
+    return logits

@@ -17,7 +17,7 @@ from metrale.engine.step import ScheduledChunk, TokenHistory
 from metrale.runner.repeat_history import RepeatHistory, SequenceBreakers, TokenView, suffix_matches
 from metrale.runner.repeat_penalties import apply_repeat_penalties
 from metrale.sampling_params import DryBreakers, SamplingParams
-from tests.runner.reference_repeats import ref_counted, ref_dry, ref_lz
+from tests.runner.reference_repeats import ref_penalised
 
 VOCAB = 12
 # 3 breaks alone, and 3 7 is a longer breaker from the same head; 4 heads two
@@ -60,30 +60,8 @@ class Request:
 
 
 def reference(logits: torch.Tensor, request: Request) -> torch.Tensor:
-    row = logits.double().tolist()
-    p = request.params
-    if p.has_penalties:
-        row = ref_counted(
-            row,
-            request.context,
-            len(request.history.prompt_token_ids),
-            p.presence_penalty,
-            p.frequency_penalty,
-            p.repetition_penalty,
-            p.repetition_penalty_window,
-        )
-    if p.uses_dry:
-        row = ref_dry(
-            row,
-            request.context,
-            p.dry_multiplier,
-            p.dry_base,
-            p.dry_allowed_length,
-            p.dry_penalty_last_n,
-            p.dry_breakers,
-        )
-    if p.lz_penalty > 0:
-        row = ref_lz(row, request.context, p.lz_penalty)
+    prompt_len = len(request.history.prompt_token_ids)
+    row = ref_penalised(logits.double().tolist(), request.context, prompt_len, request.params)
     return torch.tensor(row, dtype=torch.float32)
 
 
