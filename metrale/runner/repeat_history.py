@@ -229,14 +229,15 @@ class RepeatHistory:
         """Append each row's sampled token (`sampled_ids`: [num_rows] of the whole batch)."""
         token_ids = sampled_ids.index_select(0, repeats.rows)  # [k]
         slots, lengths, width = repeats.slots, repeats.lengths, repeats.max_len
-        tokens = self.tokens[slots, :width]  # [k, width]
-        matches = self.matches[slots, :width]
-        before = torch.nn.functional.pad(matches[:, :-1], (1, 0))  # matches[p - 1]
-        # (past a row's length this writes values no step reads before they are overwritten)
-        extends = tokens == token_ids.unsqueeze(1)
-        self.matches[slots, :width] = torch.where(extends, before + 1, 0)
+        if repeats.any_dry or repeats.any_lz:  # (the counted penalties read no matches)
+            tokens = self.tokens[slots, :width]  # [k, width]
+            matches = self.matches[slots, :width]
+            before = torch.nn.functional.pad(matches[:, :-1], (1, 0))  # matches[p - 1]
+            # (past a row's length this writes values no step reads before they are overwritten)
+            extends = tokens == token_ids.unsqueeze(1)
+            self.matches[slots, :width] = torch.where(extends, before + 1, 0)
+            self.matches.index_put_((slots, lengths), self._zero)  # (a Python 0 would sync)
         self.tokens.index_put_((slots, lengths), token_ids)
-        self.matches.index_put_((slots, lengths), self._zero)  # (a Python 0 would sync)
 
     def _new_slot(self, request_id: str, tokens: TokenView, params: SamplingParams) -> Slot:
         if not self._free:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -87,30 +88,41 @@ class RepeatPenalties:
     any_lz: bool
 
 
+class _History(NamedTuple):
+    """The history of `r`'s rows, gathered once for every penalty of the step."""
+
+    tokens: torch.Tensor  # [k, width] int64
+    matches: torch.Tensor | None  # [k, width] int64; None when no row uses DRY or LZ
+    positions: torch.Tensor  # [width] int64
+    lengths: torch.Tensor  # [k, 1] int64
+
+
 def apply_repeat_penalties(logits: torch.Tensor, r: RepeatPenalties) -> None:
     """Apply the penalties of `r`'s rows to their logits, in place."""
     # logits: [num_rows, vocab_size] fp32
     width = r.max_len
     sub = logits.index_select(0, r.rows)  # [k, vocab_size]
-    tokens = r.tokens[r.slots, :width]  # [k, width]
-    matches = r.matches[r.slots, :width].long()
-    positions = torch.arange(width, device=logits.device)
+    h = _History(
+        tokens=r.tokens[r.slots, :width],
+        matches=r.matches[r.slots, :width].long() if r.any_dry or r.any_lz else None,
+        positions=torch.arange(width, device=logits.device),
+        lengths=r.lengths.unsqueeze(1),
+    )
     if r.any_counted:
-        sub = _counted(sub, r, tokens, positions)
+        sub = _counted(sub, r, h)
     if r.any_dry:
-        _dry(sub, r, tokens, matches, positions)
+        _dry(sub, r, h)
     if r.any_lz:
-        _lz(sub, r, tokens, matches, positions)
+        _lz(sub, r, h)
     logits.index_copy_(0, r.rows, sub)
 
 
-def _counted(
-    sub: torch.Tensor, r: RepeatPenalties, tokens: torch.Tensor, positions: torch.Tensor
-) -> torch.Tensor:
+def _counted(sub: torch.Tensor, r: RepeatPenalties, h: _History) -> torch.Tensor:
     """The repetition, frequency and presence penalties; a row with none comes back as it was."""
-    # sub: [k, vocab_size]; tokens: [k, width]
+    # sub: [k, vocab_size]
     k, vocab_size = sub.shape
-    seen = (positions >= r.penalty_start.unsqueeze(1)) & (positions < r.lengths.unsqueeze(1))
+    tokens, positions = h.tokens, h.positions
+    seen = (positions >= r.penalty_start.unsqueeze(1)) & (positions < h.lengths)
     in_output = seen & (positions >= r.prompt_len.unsqueeze(1))
     # Tokens outside are counted in a spare column, dropped.
     counts = torch.zeros(k, vocab_size + 1, device=sub.device)
@@ -132,16 +144,11 @@ def _subtract_max(sub: torch.Tensor, token_ids: torch.Tensor, penalty: torch.Ten
     sub.scatter_reduce_(1, token_ids, sub.gather(1, token_ids) - penalty, reduce="amin")
 
 
-def _dry(
-    sub: torch.Tensor,
-    r: RepeatPenalties,
-    tokens: torch.Tensor,
-    matches: torch.Tensor,
-    positions: torch.Tensor,
-) -> None:
-    lengths = r.lengths.unsqueeze(1)  # [k, 1]
+def _dry(sub: torch.Tensor, r: RepeatPenalties, h: _History) -> None:
+    tokens, matches, positions, lengths = h
+    assert matches is not None
     start = r.dry_window_start.unsqueeze(1)
-    rep_limit = _rep_limit(r, tokens, positions)
+    rep_limit = _rep_limit(r, h)
     # Position p (its repeat length) and the token after it, the one that would extend it.
     p = positions[:-1]
     repeat_len = torch.minimum(matches[:, :-1], rep_limit.unsqueeze(1))
@@ -162,12 +169,11 @@ def _dry(
     _subtract_max(sub, following, torch.where(on, penalty, 0.0))
 
 
-def _rep_limit(r: RepeatPenalties, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def _rep_limit(r: RepeatPenalties, h: _History) -> torch.Tensor:
     """llama.cpp's `rep_limit` of each row: how far back from the end a repeat may reach, up to
     the latest breaker in DRY's window (the latest head; of one head's sequences the longest),
     else the window's length."""
-    # tokens: [k, width]
-    lengths = r.lengths.unsqueeze(1)
+    tokens, _, positions, lengths = h
     # (one before the window limits nothing the window does not)
     single = r.single_breakers[r.breaker_set.unsqueeze(1), tokens] & (positions < lengths)
     single_head = torch.where(single, positions, -1).amax(dim=1)  # [k]; -1: none
@@ -192,14 +198,9 @@ def _rep_limit(r: RepeatPenalties, tokens: torch.Tensor, positions: torch.Tensor
     )
 
 
-def _lz(
-    sub: torch.Tensor,
-    r: RepeatPenalties,
-    tokens: torch.Tensor,
-    matches: torch.Tensor,
-    positions: torch.Tensor,
-) -> None:
-    lengths = r.lengths.unsqueeze(1)  # [k, 1]
+def _lz(sub: torch.Tensor, r: RepeatPenalties, h: _History) -> None:
+    tokens, matches, positions, lengths = h
+    assert matches is not None
     start = (lengths - LZ_WINDOW_LEN).clamp(min=0)
     on = (positions >= start) & (positions < lengths) & (r.lz_penalty > 0).unsqueeze(1)
     # A match ending at q: as long as the context before q matches the end (plus q itself),
