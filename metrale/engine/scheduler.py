@@ -122,6 +122,7 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         scheduled: list[Request] = []
         preempted = False
+        has_drafts = False
         now = self.clock()
         # The policy may hold every prefill back this step (slai, while a decode nears its
         # deadline): new prompts are not admitted, and prompts being prefilled wait a step.
@@ -141,7 +142,10 @@ class Scheduler:
             if num_new == 0:
                 i += 1
                 continue
-            drafts = self._drafts(request, token_budget - 1) if num_new == 1 else []
+            drafts = []
+            if num_new == 1 and request.speculates:
+                drafts = self._drafts(request, token_budget - 1)
+                has_drafts |= bool(drafts)
             while not self.kv_cache.allocate(request, num_new + len(drafts)):
                 # only a request not yet scheduled this step can give up its blocks
                 victim = self.policy.victim(self.running[i:])
@@ -184,14 +188,14 @@ class Scheduler:
             if num_new > 1:
                 prefill_budget.spend(start, num_new)
 
-        if prefill_budget.spent or any(c.draft_token_ids for c in chunks):
+        if prefill_budget.spent or has_drafts:
             chunks, scheduled = _one_token_chunks_first(chunks, scheduled)
         if self.policy.learns_step_times:
             self._last_prefill_work = _prefill_work(chunks)
         finished, self._finished_ids = self._finished_ids, []
         swap_out, self._swap_out = self._swap_out, []
         swap_in, self._swap_in = self._swap_in, []
-        return SchedulerOutput(chunks, finished, scheduled, swap_out, swap_in)
+        return SchedulerOutput(chunks, finished, scheduled, swap_out, swap_in, has_drafts)
 
     def _claim_blocks(
         self, request: Request, token_budget: int, prefill_budget: PrefillBudget, now: float
@@ -251,32 +255,31 @@ class Scheduler:
             # delays the step before it. The time is the larger prefill's of the two.
             work = max(_prefill_work(scheduled.chunks), self._last_prefill_work)
             self.policy.observe_step(*work, now - self._busy_since_s)
-        no_drafts = [[]] * len(result.sampled_token_ids)
-        sampled = iter(
-            zip(
-                result.sampled_token_ids,
-                result.logprobs,
-                result.accepted_draft_ids or no_drafts,
-                result.accepted_draft_logprobs or no_drafts,
-                strict=True,
-            )
-        )
+        sampled = iter(zip(result.sampled_token_ids, result.logprobs, strict=True))
+        drafted = result.accepted_draft_ids
+        drafted_logprobs = result.accepted_draft_logprobs
+        row = -1
         for request, chunk in zip(scheduled.requests, scheduled.chunks, strict=True):
             if not chunk.samples:
                 continue
-            token_id, logprobs, accepted, accepted_logprobs = next(sampled)
+            token_id, logprobs = next(sampled)
+            row += 1
             if request.is_finished:  # it stopped or was aborted while this step ran
                 continue
             request.num_pending_tokens -= 1
+            token_ids = [token_id]
+            given_logprobs = [] if logprobs is None else [logprobs]
             if chunk.draft_token_ids:  # the rejected drafts' KV is computed again
+                assert drafted is not None and self.speculator is not None
+                accepted = drafted[row]
                 request.num_computed_tokens -= len(chunk.draft_token_ids) - len(accepted)
-                assert self.speculator is not None
                 self.speculator.record(request, len(chunk.draft_token_ids), len(accepted))
+                token_ids = [*accepted, token_id]
+                if logprobs is not None and drafted_logprobs is not None:
+                    given_logprobs = [*drafted_logprobs[row], logprobs]
             first = request.num_output_tokens == 0
-            token_ids, finish_reason = self._give_tokens(request, [*accepted, token_id], now)
-            # the logprobs of the tokens given (a stop among the drafts cuts the rest)
-            given_logprobs = [] if logprobs is None else [*accepted_logprobs, logprobs]
-            given_logprobs = given_logprobs[: len(token_ids)]
+            token_ids, finish_reason = self._give_tokens(request, token_ids, now)
+            del given_logprobs[len(token_ids) :]  # a stop among the drafts cuts the rest
             request.output_logprobs.extend(given_logprobs)
             outputs.append(
                 EngineOutput(
@@ -333,7 +336,7 @@ class Scheduler:
 
     def _drafts(self, request: Request, max_tokens: int) -> list[int]:
         """Drafts for a speculating request's decode, as many as its limits leave room for."""
-        if self.speculator is None or not request.speculates or request.num_pending_tokens:
+        if self.speculator is None or request.num_pending_tokens:
             return []
         params = request.sampling_params
         if request.num_output_tokens < params.min_tokens:

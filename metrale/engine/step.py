@@ -73,6 +73,7 @@ class SchedulerOutput:
     # the host pool as (device, host) pairs, resuming requests' back as (host, device).
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
+    has_drafts: bool = False  # some chunk carries speculative drafts
 
     @property
     def num_tokens(self) -> int:

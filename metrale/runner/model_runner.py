@@ -172,20 +172,19 @@ class ModelRunner:
                 self._record_inputs_copied()
                 return LaunchedStep([], None, None)
             logits = self.model.compute_logits(hidden[logits_indices])
-        rows = sampling_chunks
-        drafts = None
-        if any(c.draft_token_ids for c in sampling_chunks):
+        rows, drafts, first_rows = sampling_chunks, None, None
+        if scheduled.has_drafts:
             # A chunk with drafts samples at each of their positions too: one row each.
             rows = [c for c in sampling_chunks for _ in range(1 + len(c.draft_token_ids))]
-            drafts = self._drafts(sampling_chunks)
+            first_rows = np.cumsum([0] + [1 + len(c.draft_token_ids) for c in sampling_chunks])
+            drafts = self._drafts(sampling_chunks, first_rows)
         metadata = self._sampling_metadata(rows, drafts)
         self._record_inputs_copied()
         result = sample(logits.float(), metadata)
         if metadata.penalties is not None:
             self.repeat_history.append(metadata.penalties, result.token_ids)
         self._last_samples = result.token_ids
-        if len(rows) > len(sampling_chunks):  # each chunk's own row: the first of its rows
-            first_rows = np.cumsum([0] + [1 + len(c.draft_token_ids) for c in sampling_chunks])
+        if first_rows is not None:  # each chunk's own row: the first of its rows
             self._last_samples = result.token_ids[
                 to_device(first_rows[:-1], torch.int64, self.device)
             ]
@@ -300,16 +299,15 @@ class ModelRunner:
             b.logits_indices.copy_to_device(self._num_samples),
         )
 
-    def _drafts(self, chunks: list[ScheduledChunk]) -> Drafts | None:
-        """The rows of sampled (not greedy) chunks that check a draft; None when none does."""
+    def _drafts(self, chunks: list[ScheduledChunk], first_rows: np.ndarray) -> Drafts | None:
+        """The rows of sampled (not greedy) chunks that check a draft (a chunk's rows start at
+        `first_rows`); None when none does."""
         rows, token_ids = [], []
-        row = 0
-        for chunk in chunks:
+        for chunk, row in zip(chunks, first_rows.tolist(), strict=False):
             drafts = chunk.draft_token_ids
             if drafts and not chunk.sampling_params.greedy:
                 rows += range(row, row + len(drafts))
                 token_ids += drafts
-            row += 1 + len(drafts)
         if not rows:
             return None
         return Drafts(
