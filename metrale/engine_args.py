@@ -141,6 +141,7 @@ class EngineArgs:
     ngram_max: int | None = None
     shared_lookup: bool = False
     shared_lookup_entries: int | None = None
+    speculation_cost_model: bool | None = None
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -425,6 +426,7 @@ class EngineArgs:
                 self.ngram_max,
                 self.shared_lookup,
                 self.shared_lookup_entries,
+                self.speculation_cost_model,
             ),
         )
 

@@ -22,6 +22,7 @@ from metrale.engine.kv_cache_manager import KVCacheManager
 from metrale.engine.messages import EngineOutput, EngineRequest, StepStats
 from metrale.engine.request import Request
 from metrale.engine.scheduler import Scheduler
+from metrale.engine.speculation.cost_model import VerifyCosts
 from metrale.engine.speculation.shared_lookup import SharedLookup, model_fingerprints
 from metrale.engine.speculation.speculator import NgramSpeculator
 from metrale.engine.step import ModelRunnerOutput, SchedulerOutput
@@ -86,7 +87,7 @@ class EngineCore:
             config.scheduler,
             KVCacheManager(pool, config.cache.block_size),
             swap=swap_space(config, runner),
-            speculator=None if config.speculative is None else speculator(config),
+            speculator=None if config.speculative is None else speculator(config, runner),
         )
         logger.info(
             "engine ready in %.2f s: %s on %s (%s), %d KV blocks of %d tokens (%s), %s scheduling",
@@ -188,8 +189,9 @@ class EngineCore:
             )
 
 
-def speculator(config: EngineConfig) -> NgramSpeculator:
-    """The n-gram speculator of `--speculative-config`, with its shared table if asked."""
+def speculator(config: EngineConfig, runner: ModelRunner) -> NgramSpeculator:
+    """The n-gram speculator of `--speculative-config`, with its shared table if asked and the
+    costs of verifying drafts on this machine."""
     spec = config.speculative
     assert spec is not None
     shared = None
@@ -203,7 +205,18 @@ def speculator(config: EngineConfig) -> NgramSpeculator:
             spec.shared_lookup_entries,
             *fingerprints,
         )
-    return NgramSpeculator(spec, shared, config.async_scheduling)
+    costs = None
+    if spec.cost_model:
+        costs = VerifyCosts.measure(
+            spec.num_speculative_tokens,
+            min(
+                config.scheduler.max_batch_size,
+                config.scheduler.max_num_batched_tokens // (1 + spec.num_speculative_tokens),
+            ),
+            runner.measure_decode_s,
+        )
+        logger.info("speculation: drafts pay when accepted per draft token at %s", costs.describe())
+    return NgramSpeculator(spec, shared, config.async_scheduling, costs)
 
 
 def swap_space(config: EngineConfig, runner: ModelRunner) -> SwapSpace | None:

@@ -157,6 +157,25 @@ class Request:
             and (self.closing_thinking or self.num_thinking_tokens >= thinking.max_tokens)
         )
 
+    def drafts_decided_alike(self, drafts: list[int]) -> list[int]:
+        """The drafts cut to those whose rows the step decides as it does its first: a thinking
+        budget's forced close, its ban on a new block and a grammar's mask (off inside a block)
+        are set per chunk, so the drafts stop before a block's start or end and before the row
+        where the budget would run out; none once the next token is forced."""
+        thinking = self.sampling_params.thinking
+        if thinking is None:
+            return drafts
+        if self.thinking_budget_spent:
+            return []
+        num = len(drafts)
+        for i, token_id in enumerate(drafts):
+            if token_id in (thinking.start_token_id, thinking.end_token_id):
+                num = i
+                break
+        if self.inside_thinking:  # row j samples thinking token number num_thinking_tokens + j
+            num = min(num, thinking.max_tokens - self.num_thinking_tokens - 1)
+        return drafts[: max(num, 0)]
+
     def close_looping_thinking(self) -> None:
         """The thinking watchdog: close the block at the next token, and watch the answer
         afresh (the loop was the thinking's)."""

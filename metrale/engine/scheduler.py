@@ -144,7 +144,7 @@ class Scheduler:
                 continue
             drafts = []
             if num_new == 1 and request.speculates:
-                drafts = self._drafts(request, token_budget - 1)
+                drafts = self._drafts(request, token_budget - 1, len(self.running))
                 has_drafts |= bool(drafts)
             while not self.kv_cache.allocate(request, num_new + len(drafts)):
                 # only a request not yet scheduled this step can give up its blocks
@@ -278,7 +278,10 @@ class Scheduler:
                 if logprobs is not None and drafted_logprobs is not None:
                     given_logprobs = [*drafted_logprobs[row], logprobs]
             first = request.num_output_tokens == 0
+            num_offered = len(token_ids)
             token_ids, finish_reason = self._give_tokens(request, token_ids, now)
+            if finish_reason is None:  # a thinking block closed early: computed again
+                request.num_computed_tokens -= num_offered - len(token_ids)
             del given_logprobs[len(token_ids) :]  # a stop among the drafts cuts the rest
             request.output_logprobs.extend(given_logprobs)
             outputs.append(
@@ -300,8 +303,9 @@ class Scheduler:
     def _give_tokens(
         self, request: Request, token_ids: list[int], now: float
     ) -> tuple[list[int], FinishReason | None]:
-        """Append a step's tokens to the request up to the first that ends it; those tokens, and
-        why it ended (None: it goes on)."""
+        """Append a step's tokens to the request up to the first that ends it, or that makes
+        the watchdog force a thinking block's end next (the tokens after it were sampled
+        without that); those tokens, and why it ended (None: it goes on)."""
         request.last_token_time_s = now
         if request.num_output_tokens == 0:
             request.first_token_time_s = now
@@ -311,6 +315,8 @@ class Scheduler:
             if finish_reason is not None:
                 self._finish(request, finish_reason)
                 return token_ids[: i + 1], finish_reason
+            if request.closing_thinking:
+                return token_ids[: i + 1], None
         return token_ids, None
 
     @staticmethod
@@ -334,8 +340,9 @@ class Scheduler:
             return True
         return request.num_tokens + num_pending >= self.config.max_seq_len
 
-    def _drafts(self, request: Request, max_tokens: int) -> list[int]:
-        """Drafts for a speculating request's decode, as many as its limits leave room for."""
+    def _drafts(self, request: Request, max_tokens: int, num_seqs: int) -> list[int]:
+        """Drafts for a speculating request's decode in a step of about `num_seqs` decodes, as
+        many as its limits leave room for."""
         if self.speculator is None or request.num_pending_tokens:
             return []
         params = request.sampling_params
@@ -344,7 +351,9 @@ class Scheduler:
         room = self.config.max_seq_len - request.num_tokens - 1
         if params.max_tokens is not None:
             room = min(room, params.max_tokens - request.num_output_tokens - 1)
-        return self.speculator.propose(request, min(max_tokens, room))
+        return request.drafts_decided_alike(
+            self.speculator.propose(request, min(max_tokens, room), num_seqs)
+        )
 
     def _schedule_chunk(
         self, request: Request, num_new: int, drafts: list[int] | None = None

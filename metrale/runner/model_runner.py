@@ -33,7 +33,7 @@ from metrale.runner.kv_cache import PagedKVCache, SwapTiming
 from metrale.runner.repeat_history import RepeatHistory
 from metrale.runner.repeat_penalties import RepeatPenalties
 from metrale.runner.sampler import Drafts, LogitBias, SamplerOutput, SamplingMetadata, sample
-from metrale.runner.structured_output import StructuredOutputs
+from metrale.runner.structured_output import GrammarRows, StructuredOutputs
 from metrale.runner.truncation import Truncation
 from metrale.sampling_params import SamplingParams
 
@@ -137,6 +137,21 @@ class ModelRunner:
         self.execute(step)
         return (time.perf_counter() - start) / num_tokens
 
+    def measure_decode_s(self, num_seqs: int, num_drafts: int, context_len: int = 256) -> float:
+        """Seconds of a decode step of `num_seqs` sequences of `context_len` tokens, each with
+        `num_drafts` drafts checked (greedy), timed once warm (the best of two) into the pool's
+        first blocks: call it before any request holds them."""
+        step = decode_probe(
+            num_seqs, num_drafts, context_len, self.block_size, self.kv_cache.kv.shape[2]
+        )
+        self.execute(step)
+        times = []
+        for _ in range(2):
+            start = time.perf_counter()
+            self.execute(step)
+            times.append(time.perf_counter() - start)
+        return min(times)
+
     def _swap(self, scheduled: SchedulerOutput) -> SwapTiming | None:
         """Queue the step's block copies to and from the host pool, timed."""
         if not scheduled.swap_out and not scheduled.swap_in:
@@ -178,7 +193,7 @@ class ModelRunner:
             rows = [c for c in sampling_chunks for _ in range(1 + len(c.draft_token_ids))]
             first_rows = np.cumsum([0] + [1 + len(c.draft_token_ids) for c in sampling_chunks])
             drafts = self._drafts(sampling_chunks, first_rows)
-        metadata = self._sampling_metadata(rows, drafts)
+        metadata = self._sampling_metadata(rows, drafts, self._grammar(sampling_chunks, first_rows))
         self._record_inputs_copied()
         result = sample(logits.float(), metadata)
         if metadata.penalties is not None:
@@ -315,7 +330,10 @@ class ModelRunner:
         )
 
     def _sampling_metadata(
-        self, chunks: list[ScheduledChunk], drafts: Drafts | None = None
+        self,
+        chunks: list[ScheduledChunk],
+        drafts: Drafts | None = None,
+        grammar: dict | None = None,
     ) -> SamplingMetadata:
         params = [c.sampling_params for c in chunks]
         vocab_size = self.model_config.vocab_size
@@ -353,12 +371,20 @@ class ModelRunner:
                 for row, c in enumerate(chunks)
                 if c.forced_token_id is not None
             ],
-            **self._grammar(chunks),
+            **(grammar or {}),
         )
 
-    def _grammar(self, chunks: list[ScheduledChunk]) -> dict:
+    def _grammar(self, chunks: list[ScheduledChunk], first_rows: np.ndarray | None) -> dict:
+        """The grammar bitmask of the constrained chunks' rows (a chunk's rows start at
+        `first_rows`, or one row each when None): sampler fields, empty when none is."""
         rows = [
-            (row, c.request_id, c.structured, c.thinking_opener)
+            GrammarRows(
+                row if first_rows is None else int(first_rows[row]),
+                c.request_id,
+                c.structured,
+                c.thinking_opener,
+                c.draft_token_ids,
+            )
             for row, c in enumerate(chunks)
             if c.structured
         ]
@@ -366,7 +392,8 @@ class ModelRunner:
             return {}
         if self.structured_outputs is None:
             raise RuntimeError("structured output requested but the engine has no grammar backend")
-        bitmask, grammar_rows = self.structured_outputs.bitmask(rows, len(chunks), self.device)
+        num_rows = len(chunks) if first_rows is None else int(first_rows[-1])
+        bitmask, grammar_rows = self.structured_outputs.bitmask(rows, num_rows, self.device)
         return {"grammar_bitmask": bitmask, "grammar_rows": grammar_rows}
 
     def _truncation(self, params: list[SamplingParams]) -> Truncation | None:
@@ -459,11 +486,12 @@ class ModelRunner:
         result, chunks = step.samples, step.chunks
         token_ids, accepted, rows = verify(chunks, result.token_ids.tolist())
         timing["accepted_draft_ids"] = accepted
-        for chunk, token_id in zip(chunks, token_ids, strict=True):
+        for i, (chunk, token_id) in enumerate(zip(chunks, token_ids, strict=True)):
             if chunk.structured is None or self.structured_outputs is None:
                 continue
             if token_id != chunk.thinking_opener:  # a thinking block opened: the grammar waits
-                self.structured_outputs.accept(chunk.request_id, token_id)
+                kept = [] if accepted is None else accepted[i]
+                self.structured_outputs.accept(chunk.request_id, [*kept, token_id])
         if result.logprobs is None:
             return ModelRunnerOutput(token_ids, [None] * len(token_ids), **timing)
         chosen = result.logprobs.tolist()
@@ -527,3 +555,27 @@ def prefill_probe(num_tokens: int, block_size: int) -> SchedulerOutput:
         SamplingParams(temperature=0.0),
     )
     return SchedulerOutput([chunk])
+
+
+def decode_probe(
+    num_seqs: int, num_drafts: int, context_len: int, block_size: int, num_blocks: int
+) -> SchedulerOutput:
+    """A decode step of `num_seqs` sequences at `context_len` tokens (fewer where the pool is
+    small), each checking `num_drafts` drafts; the sequences share the pool's first blocks: what
+    startup times, before any request holds a block."""
+    context_len = min(context_len, num_blocks * block_size - 1 - num_drafts)
+    block_ids = list(range(-(-(context_len + 1 + num_drafts) // block_size)))
+    drafts = (0,) * num_drafts
+    chunks = [
+        ScheduledChunk(
+            f"probe-{i}",
+            [0, *drafts],
+            context_len,
+            block_ids,
+            True,
+            SamplingParams(temperature=0.0),
+            draft_token_ids=drafts,
+        )
+        for i in range(num_seqs)
+    ]
+    return SchedulerOutput(chunks, has_drafts=num_drafts > 0)

@@ -31,6 +31,8 @@ def case(request, tmp_path_factory):
 
 
 def generate(model_dir, prompts, params, **engine):
+    if "speculative_config" in engine:  # every speculating request drafts, whatever it costs
+        engine.setdefault("speculation_cost_model", False)
     llm = LLM(model_from_path=str(model_dir), dtype="float32", **engine)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outputs], llm
@@ -102,6 +104,62 @@ def test_shared_prefixes_after_speculation_are_served_right(case):
     assert again.outputs[0].token_ids == fresh[0]
 
 
+THINK, END_THINK = 3, 4  # the demo tokenizer's <think> and </think>
+
+
+def host_decided_params() -> list[SamplingParams]:
+    """Greedy requests whose steps the host shapes: grammars (their text repeats: drafts the
+    grammar keeps; drafts from the prompt it rejects), a thinking budget the model would overrun
+    (its forced close within the drafts' reach), and one followed by a grammar."""
+    import json
+
+    from metrale.sampling_params import StructuredOutput, ThinkingBudget
+
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "array", "items": {"type": "integer"}}},
+    }
+    greedy = dict(temperature=0.0, max_tokens=MAX_NEW_TOKENS)
+    overrun = dict(logit_bias={END_THINK: -100.0}, **greedy)  # the model would never close it
+    return [
+        SamplingParams(structured=StructuredOutput("regex", "(the cat ){10}"), **greedy),
+        SamplingParams(structured=StructuredOutput("json", json.dumps(schema)), **greedy),
+        SamplingParams(
+            ignore_eos=True,
+            thinking=ThinkingBudget(13, THINK, END_THINK, starts_inside=True),
+            **overrun,
+        ),
+        SamplingParams(
+            thinking=ThinkingBudget(9, THINK, END_THINK, starts_inside=True),
+            structured=StructuredOutput("regex", "(x|y){20}"),
+            **overrun,
+        ),
+    ]
+
+
+@pytest.mark.parametrize("scheduling", ["sync", "async"])
+def test_grammar_and_thinking_budget_requests_speculate_unchanged(case, scheduling):
+    model_dir, prompts = case
+    params = host_decided_params()
+    prompts = [prompts[0], prompts[4], prompts[0], prompts[4]]
+    plain, _ = generate(model_dir, prompts, params, scheduler_config=scheduling)
+    spec, llm = generate(
+        model_dir,
+        prompts,
+        params,
+        scheduler_config=scheduling,
+        speculative_config=ANY_REPEAT,
+        num_speculative_tokens=6,
+    )
+    assert spec == plain
+    assert plain[2][13] == END_THINK and END_THINK not in plain[2][:13]  # forced, on time
+    assert plain[3].index(END_THINK) == 9 and len(plain[3]) == 9 + 1 + 20 + 1  # then a stop
+    stats = llm.engine.scheduler.speculator.stats
+    assert stats.num_draft_tokens >= 10 and stats.num_accepted_tokens > 0
+    pool = llm.engine.scheduler.kv_cache.pool
+    assert pool.num_free_blocks == pool.num_blocks
+
+
 KEYWORD = " harmonic"
 # A reply that repeats itself, then departs: drafts from the first copy are accepted in the
 # later ones until each departure, which rejects the rest of the draft.
@@ -144,6 +202,19 @@ def test_a_model_that_repeats_itself_takes_several_tokens_a_step(tmp_path, sched
         assert ours.keys() == theirs.keys()
         for token, lp in ours.items():
             assert abs(lp.logprob - theirs[token].logprob) < 1e-4 and lp.rank == theirs[token].rank
+
+
+def test_the_engine_measures_where_drafts_pay_and_outputs_stay_the_same(case):
+    model_dir, prompts = case
+    plain, _ = generate(model_dir, prompts, GREEDY)
+    spec, llm = generate(
+        model_dir, prompts, GREEDY, speculative_config=ANY_REPEAT, speculation_cost_model=True
+    )
+    assert spec == plain
+    costs = llm.engine.scheduler.speculator.costs
+    assert costs.batch_sizes[0] == 1 and costs.num_drafts == 4
+    assert all(t > 0 for t in (*costs.plain_s, *costs.verify_s))
+    assert all(costs.min_acceptance(b) >= 0 for b in costs.batch_sizes)
 
 
 def test_bad_speculative_settings_are_refused(case):

@@ -84,6 +84,7 @@ def sharing(scripted, tmp_path_factory) -> Iterator[RunningServer]:
         "--num-speculative-tokens",
         "6",
         "--shared-lookup",
+        "--no-speculation-cost-model",  # every request drafts: the test counts drafts
         "--api-key",
         "alice-key",
         "--api-key",

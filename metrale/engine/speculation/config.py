@@ -21,6 +21,9 @@ class SpeculativeConfig:
     # A table across requests (shared_lookup.py), read when a request's own tokens have no match
     shared_lookup: bool = False
     shared_lookup_entries: int = 262_144
+    # Draft only where it pays at the step's batch size, by costs measured at startup
+    # (cost_model.py); off: every speculating request drafts at every batch size.
+    cost_model: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -51,6 +54,7 @@ class SpeculativeConfig:
         ngram_max: int | None = None,
         shared_lookup: bool = False,
         shared_lookup_entries: int | None = None,
+        cost_model: bool | None = None,
     ) -> SpeculativeConfig | None:
         """`--speculative-config` as a method name or as vLLM's JSON object (`method`,
         `num_speculative_tokens`, `prompt_lookup_min`, `prompt_lookup_max`); the separate flags
@@ -90,6 +94,7 @@ class SpeculativeConfig:
             "ngram_max": ngram_max,
             "shared_lookup": shared_lookup or None,
             "shared_lookup_entries": shared_lookup_entries,
+            "cost_model": cost_model,
         }
         fields |= {k: v for k, v in overrides.items() if v is not None}
         return cls(**fields)
@@ -123,4 +128,10 @@ class SpeculativeConfig:
             type=int,
             help="n-grams the shared table holds at most, least recently used evicted first "
             "(default 262144, about 90 MB)",
+        )
+        g.add_argument(
+            "--speculation-cost-model",
+            action=argparse.BooleanOptionalAction,
+            help="draft only where drafts pay at the step's batch size, by a verify step's cost "
+            "measured at startup against a plain decode's (default on)",
         )

@@ -8,10 +8,15 @@ decoding one at a time would give; sampled, by rejection sampling (`runner/sampl
 of the same distribution. The scheduler then takes back the computed count of
 the rejected drafts, whose KV slots the next steps overwrite.
 
-A request speculates when nothing about its next token depends on a state the host updates
-token by token beyond the tokens themselves: without penalties (they read the device's
-history one token a step), a grammar, a thinking budget, or stop tokens still banned by
-`min_tokens`. The others decode one token a step, as without speculation.
+Drafts are checked only where they pay: a request whose recent drafts were accepted less often
+than the step's batch size needs (`cost_model.py`) does not draft that step; one whose drafts
+keep failing pauses drafting a while, longer each time.
+
+A grammar masks each draft's row as it would be after the drafts before it, so a draft the
+grammar rejects is rejected (`runner/structured_output.py`). A thinking budget's state is the
+chunk's: drafts stop before a thinking block's start or end and before the budget runs out
+(`Request.drafts_decided_alike`). Stop tokens still banned by `min_tokens` and the penalties (they
+read the device's history one token a step) keep a request to one token a step.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from dataclasses import dataclass, field
 from metrale.engine.messages import SpecDecodeStats
 from metrale.engine.request import Request
 from metrale.engine.speculation.config import SpeculativeConfig
+from metrale.engine.speculation.cost_model import VerifyCosts
 from metrale.engine.speculation.ngram import NgramIndex
 from metrale.engine.speculation.shared_lookup import SharedLookup
 from metrale.sampling_params import SamplingParams
@@ -33,6 +39,9 @@ from metrale.sampling_params import SamplingParams
 ATTEMPTS = 4
 MIN_ACCEPTED_PER_ATTEMPT = 0.5
 FIRST_PAUSE, LONGEST_PAUSE = 8, 256  # tokens
+# Before its drafts are checked, a request's acceptance (per draft token) is taken as PRIOR,
+# weighted as PRIOR_WEIGHT draft tokens; its checked drafts outweigh it soon.
+PRIOR, PRIOR_WEIGHT = 0.5, 2.0
 
 
 @dataclass
@@ -42,6 +51,14 @@ class _Drafting:
     index: NgramIndex
     recent: deque[int] = field(default_factory=lambda: deque(maxlen=ATTEMPTS))  # accepted
     pause: int = FIRST_PAUSE  # tokens, the next time it pauses
+    # Its recent drafting steps' (drafted, accepted) tokens, for its acceptance
+    checked: deque[tuple[int, int]] = field(default_factory=lambda: deque(maxlen=2 * ATTEMPTS))
+
+    @property
+    def acceptance(self) -> float:
+        """Accepted tokens per draft token, lately."""
+        drafted = sum(d for d, _ in self.checked) + PRIOR_WEIGHT
+        return (sum(a for _, a in self.checked) + PRIOR * PRIOR_WEIGHT) / drafted
 
 
 class NgramSpeculator:
@@ -52,10 +69,13 @@ class NgramSpeculator:
         config: SpeculativeConfig,
         shared: SharedLookup | None = None,
         async_scheduling: bool = False,
+        costs: VerifyCosts | None = None,
     ) -> None:
         self.config = config
         self.shared = shared
         self.async_scheduling = async_scheduling
+        self.costs = costs  # None: every request drafts, whatever the batch
+        self.num_priced_out = 0  # lookups skipped: at the step's batch size drafts would not pay
         self.num_drafts = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -73,16 +93,20 @@ class NgramSpeculator:
 
     @staticmethod
     def can_speculate(params: SamplingParams) -> bool:
-        return not params.reads_history and params.structured is None and params.thinking is None
+        return not params.reads_history
 
-    def propose(self, request: Request, max_tokens: int) -> list[int]:
-        """Up to `max_tokens` drafts after the request's tokens (all known to the host)."""
+    def propose(self, request: Request, max_tokens: int, num_seqs: int = 1) -> list[int]:
+        """Up to `max_tokens` drafts after the request's tokens (all known to the host), in a
+        step of about `num_seqs` decodes: none when its drafts would not pay at that size."""
         if max_tokens <= 0 or request.num_tokens < request.draft_resume_at:
             return []
         state = self._requests.get(request.request_id)
         if state is None:
             state = _Drafting(NgramIndex(self.config.ngram_min, self.config.ngram_max))
             self._requests[request.request_id] = state
+        if self.costs is not None and state.acceptance < self.costs.min_acceptance(num_seqs):
+            self.num_priced_out += 1
+            return []
         index = state.index
         index.extend(request.all_token_ids[len(index) :])
         num_tokens = min(max_tokens, self.config.num_speculative_tokens)
@@ -101,6 +125,7 @@ class NgramSpeculator:
         for position in range(num_accepted):
             self.accepted_per_position[position] += 1
         if (state := self._requests.get(request.request_id)) is not None:
+            state.checked.append((num_drafted, num_accepted))
             self._attempted(request, state, num_accepted)
 
     @staticmethod
