@@ -7,6 +7,7 @@ flags (`EngineArgs`). Every derived value is computed here, once.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -15,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from metrale.distributed.sharding import check_split
 
 _DTYPES = {
     "float32": torch.float32,
@@ -223,6 +226,23 @@ class ModelConfig:
     sliding_window: int | None
     dtype: torch.dtype
     eos_token_ids: tuple[int, ...]
+    # Ranks the model is split over (`with_tensor_parallel`): the per-rank sizes below hold
+    # one rank's heads, which is what its attention and its KV pool are built for.
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        tp = self.tensor_parallel_size
+        if tp < 1:
+            raise ValueError(f"tensor_parallel_size={tp} is out of range: must be >= 1")
+        if tp > 1:  # the vocabulary is padded instead (distributed/sharding.py)
+            check_split("num_attention_heads", self.num_heads, tp)
+            check_split("num_key_value_heads", self.num_kv_heads, tp, replicable=True)
+            check_split("intermediate_size", self.intermediate_size, tp)
+
+    def with_tensor_parallel(self, tensor_parallel_size: int) -> ModelConfig:
+        """This config split over `tensor_parallel_size` ranks; a ValueError names any size
+        that does not split."""
+        return dataclasses.replace(self, tensor_parallel_size=tensor_parallel_size)
 
     @classmethod
     def from_dir(cls, model_dir: Path) -> ModelConfig:
@@ -343,6 +363,23 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    @property
+    def num_heads_per_rank(self) -> int:
+        return self.num_heads // self.tensor_parallel_size
+
+    @property
+    def num_kv_heads_per_rank(self) -> int:
+        """Fewer KV heads than ranks: each rank keeps the one its query heads read."""
+        return max(1, self.num_kv_heads // self.tensor_parallel_size)
+
+    @property
+    def q_size_per_rank(self) -> int:
+        return self.num_heads_per_rank * self.head_dim
+
+    @property
+    def kv_size_per_rank(self) -> int:
+        return self.num_kv_heads_per_rank * self.head_dim
+
 
 @dataclass(frozen=True)
 class CacheConfig:
@@ -362,7 +399,8 @@ class CacheConfig:
 
     @staticmethod
     def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-        return 2 * model.num_layers * block_size * model.kv_size * dtype.itemsize
+        """On one rank: its KV heads (all of them without tensor parallelism)."""
+        return 2 * model.num_layers * block_size * model.kv_size_per_rank * dtype.itemsize
 
 
 PREEMPTION_MODES = ("auto", "swap", "recompute")

@@ -1,11 +1,12 @@
 """The paged KV pool's memory on the device, and the host pool its blocks are swapped out to.
 
 Every layer's keys and values live in one tensor, `[num_layers, 2, num_blocks, block_size,
-num_kv_heads, head_dim]`; each layer's attention binds its two contiguous slices. So a block's
-bytes in every layer are gathered by one indexing op, and the host pool keeps a block's bytes
-for all layers together, `[num_host_blocks, num_layers, 2, block_size, ...]`: a run of
-consecutive host blocks is one copy. Copies go through raw bytes, so any cache dtype moves the
-same way (fp8 has no indexing kernels of its own).
+num_kv_heads, head_dim]` (under tensor parallelism, this rank's KV heads); each layer's
+attention binds its two contiguous slices. So a block's bytes in every layer are gathered by one
+indexing op, and the host pool keeps a block's bytes for all layers together,
+`[num_host_blocks, num_layers, 2, block_size, ...]`: a run of consecutive host blocks is one
+copy. Copies go through raw bytes, so any cache dtype moves the same way (fp8 has no indexing
+kernels of its own).
 
 Copies are queued on the device's current stream, where the steps run: a swap-out reads blocks
 after the steps before it have written them, and a block freed by it may be written by the very
@@ -43,7 +44,7 @@ class PagedKVCache:
             2,
             cache.num_blocks,
             cache.block_size,
-            config.num_kv_heads,
+            config.num_kv_heads_per_rank,  # this rank's under tensor parallelism
             config.head_dim,
         )
         # Zeros, not empty: masked-out slots are still multiplied by zero weights, and
