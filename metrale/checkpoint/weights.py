@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +18,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from metrale.config import MAX_NUM_PARAMETERS
+from metrale.distributed.sharding import TensorSlice
 
 FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
@@ -110,8 +111,13 @@ def preflight(model_dir: Path, expected: dict[str, tuple[int, ...]]) -> dict[str
 
 
 def iter_checkpoint_tensors(
-    tensors: dict[str, TensorInfo], device: torch.device, progress: bool = True
+    tensors: dict[str, TensorInfo],
+    device: torch.device,
+    progress: bool = True,
+    slice_of: Callable[[str], TensorSlice | None] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each tensor, read from its shard onto `device`. `slice_of(name)`: the part of it this
+    tensor-parallel rank holds (None: all); only that part is read from the file."""
     by_file: dict[Path, list[str]] = {}
     for name, info in tensors.items():
         by_file.setdefault(info.file, []).append(name)
@@ -120,8 +126,23 @@ def iter_checkpoint_tensors(
         for path, names in by_file.items():
             with safe_open(path, framework="pt", device=str(device)) as f:
                 for name in names:
-                    yield name, f.get_tensor(name)
+                    part = None if slice_of is None else slice_of(name)
+                    if part is None:
+                        yield name, f.get_tensor(name)
+                    else:
+                        index = part.index(len(tensors[name].shape))
+                        yield name, f.get_slice(name)[index].to(device)
                     bar.update()
+
+
+def sliced_shapes(
+    shapes: dict[str, tuple[int, ...]], slice_of: Callable[[str], TensorSlice | None]
+) -> dict[str, tuple[int, ...]]:
+    """The shapes of the parts of each tensor one tensor-parallel rank holds."""
+    return {
+        name: shape if (part := slice_of(name)) is None else part.shape_of(shape)
+        for name, shape in shapes.items()
+    }
 
 
 def iter_dummy_tensors(

@@ -1,16 +1,26 @@
 """Linear layers whose one-row products can run the Triton `gemv` kernel (GPU), whose weight can
 stay in a GGUF quantized format (`PackedWeight`, `--quantization gguf`), and which on a CPU
-multiply through oneDNN with the weight in its own layout (`prepack_for_cpu`)."""
+multiply through oneDNN with the weight in its own layout (`prepack_for_cpu`).
+
+Under tensor parallelism the layers know their split (`distributed/sharding.py`): a
+column-parallel layer holds its rank's output features and gives them on unreduced, a
+row-parallel one its input features and all-reduces its partial sums, and the head its slice of
+the vocabulary, gathered. Each says which part of a checkpoint tensor it loads
+(`checkpoint_slice`); with one rank that is the whole tensor (None) and the layers run as
+`Linear` does, no collective.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from metrale import envs
+from metrale.distributed.parallel_state import all_gather, all_reduce, tp_rank, tp_size
+from metrale.distributed.sharding import TensorSlice, vocab_slice
 from metrale.layers.packed_weight import PackedWeight
 
 
@@ -53,7 +63,7 @@ def silu_and_mul_linear(
     if down.packed is None and down.fused and gate_up.shape[0] == 1:
         from metrale.kernels.gemv import gemv
 
-        return gemv(gate_up, down.weight, silu_and_mul=True)
+        return down.reduce(gemv(gate_up, down.weight, silu_and_mul=True))
     return down(silu_and_mul(gate_up))
 
 
@@ -123,8 +133,93 @@ class Linear(nn.Linear):
             destination[prefix + "weight"] = self.onednn.to_dense()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # `product`'s body inlined: the hot path of every unsplit layer, one call fewer
         if self.onednn is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.onednn, self.bias, "none", [], "")
         if self.packed is not None:
             return packed_linear(x, self.packed, self.bias, self.fused)
         return linear(x, self.weight, self.bias, self.fused)
+
+    def product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x @ weight.T (+ `bias`), this rank's part only."""
+        if self.onednn is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.onednn, bias, "none", [], "")
+        if self.packed is not None:
+            return packed_linear(x, self.packed, bias, self.fused)
+        return linear(x, self.weight, bias, self.fused)
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """A product computed outside `forward` (`silu_and_mul_linear`) made whole: a
+        row-parallel layer sums it over the ranks; any other returns it."""
+        return partial
+
+
+class ColumnParallelLinear(Linear):
+    """Output features split across ranks. It holds this rank's rows of each checkpoint tensor
+    fused into it (q/k/v, gate/up, or just one), end to end, and its output is this rank's
+    features of each, unreduced: the row-parallel layer after it takes them as they are."""
+
+    def __init__(
+        self, in_features: int, shards: Sequence[TensorSlice], bias: bool, fused: bool = False
+    ) -> None:
+        super().__init__(in_features, sum(s.length for s in shards), bias, fused)
+        self.shards = tuple(shards)  # each checkpoint tensor's rows, along dim 0
+        self.split = tp_size() > 1
+
+    def shard_offset(self, shard: int) -> int:
+        """The first row of the fused weight that checkpoint tensor `shard` fills."""
+        return sum(s.length for s in self.shards[:shard])
+
+    def checkpoint_slice(self, kind: str, shard: int) -> TensorSlice | None:
+        return self.shards[shard] if self.split else None  # the bias splits as the weight
+
+
+class RowParallelLinear(Linear):
+    """Input features split across ranks (`in_slice` of the checkpoint's columns): each rank's
+    product is a partial sum, all-reduced once, the bias added once after the reduce."""
+
+    def __init__(
+        self, in_slice: TensorSlice, out_features: int, bias: bool, fused: bool = False
+    ) -> None:
+        super().__init__(in_slice.length, out_features, bias, fused)
+        self.in_slice = TensorSlice(1, in_slice.start, in_slice.length)
+        self.split = tp_size() > 1
+
+    def checkpoint_slice(self, kind: str, shard: int) -> TensorSlice | None:
+        return self.in_slice if self.split and kind == "weight" else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.split:
+            return self.reduce(self.product(x, None))
+        return Linear.forward(self, x)  # not super(): the cheaper call, on every layer
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        if not self.split:
+            return partial
+        out = all_reduce(partial)
+        return out if self.bias is None else out.add_(self.bias)
+
+
+class ParallelLMHead(Linear):
+    """The vocabulary split across ranks as `VocabParallelEmbedding` splits it (padded to a
+    multiple of the ranks): each rank computes its slice of the logits, all-gathered, the
+    padding cut off. The runner calls it only on the rows that sample."""
+
+    def __init__(self, hidden_size: int, vocab_size: int, fused: bool = False) -> None:
+        rows, rows_per_rank = vocab_slice(vocab_size, tp_rank(), tp_size())
+        super().__init__(hidden_size, rows_per_rank, bias=False, fused=fused)
+        self.vocab_slice = rows
+        self.vocab_size = vocab_size
+        self.split = tp_size() > 1
+
+    def checkpoint_slice(self, kind: str, shard: int) -> TensorSlice | None:
+        return self.vocab_slice if self.split else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = Linear.forward(self, x)  # [num_rows, rows_per_rank]
+        if not self.split:
+            return logits
+        logits = all_gather(logits, dim=-1)  # [num_rows, padded vocab]
+        if logits.shape[-1] == self.vocab_size:
+            return logits
+        return logits[:, : self.vocab_size].contiguous()

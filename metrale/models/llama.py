@@ -6,6 +6,10 @@ token batch of a step: `forward(input_ids [num_tokens], positions [num_tokens], 
 
 Checkpoint tensors keep their Hugging Face names; q/k/v and gate/up are fused into one matrix
 each at load time, so a layer runs two matmuls where the checkpoint has five.
+
+Under tensor parallelism (`config.tensor_parallel_size` ranks, the group joined first) each rank
+builds the same module from layers that know their split: its query heads and their KV heads,
+its share of the MLP, its slice of the vocabulary; it loads only those parts of each tensor.
 """
 
 from __future__ import annotations
@@ -17,10 +21,18 @@ import torch
 from torch import nn
 
 from metrale.config import ModelConfig
+from metrale.distributed.parallel_state import tp_rank, tp_size
+from metrale.distributed.sharding import TensorSlice, even_slice, head_slice
 from metrale.layers.activation import silu_and_mul
 from metrale.layers.attention import Attention, AttentionMetadata
+from metrale.layers.embedding import VocabParallelEmbedding
 from metrale.layers.layernorm import RMSNorm
-from metrale.layers.linear import Linear, silu_and_mul_linear
+from metrale.layers.linear import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    silu_and_mul_linear,
+)
 from metrale.layers.packed_weight import PackedWeight
 from metrale.layers.rotary import FusedRotary, RotaryAngles, RotaryEmbedding
 from metrale.models.registry import register_model
@@ -36,21 +48,28 @@ _FUSED_SHARDS = {
 
 
 class DecoderAttention(nn.Module):
+    """This rank's query heads and the KV heads they read (all of them on one rank): q/k/v
+    column-parallel, o row-parallel, so attention itself needs no collective."""
+
     def __init__(self, config: ModelConfig, *, qkv_bias: bool, qk_norm: bool, fused: bool) -> None:
         super().__init__()
-        self.q_size, self.kv_size = config.q_size, config.kv_size
-        self.head_dim = config.head_dim
-        self.qkv_proj = Linear(
-            config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias, fused=fused
+        self.q_size, self.kv_size = config.q_size_per_rank, config.kv_size_per_rank
+        self.head_dim = head_dim = config.head_dim
+        rank, size = tp_rank(), tp_size()
+        q_rows = head_slice(
+            "num_attention_heads", config.num_heads, head_dim, rank, size, replicable=False
         )
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False, fused=fused)
+        kv_rows = head_slice(
+            "num_key_value_heads", config.num_kv_heads, head_dim, rank, size, replicable=True
+        )
+        self.qkv_proj = ColumnParallelLinear(
+            config.hidden_size, [q_rows, kv_rows, kv_rows], bias=qkv_bias, fused=fused
+        )
+        self.o_proj = RowParallelLinear(q_rows, config.hidden_size, bias=False, fused=fused)
         eps = config.rms_norm_eps
-        self.q_norm = RMSNorm(config.head_dim, eps, fused) if qk_norm else None
-        self.k_norm = RMSNorm(config.head_dim, eps, fused) if qk_norm else None
-        self.attn = Attention(config.num_heads, config.num_kv_heads, config.head_dim)
-
-    def shard_sizes(self, fused: str) -> list[int]:
-        return [self.q_size, self.kv_size, self.kv_size]
+        self.q_norm = RMSNorm(head_dim, eps, fused) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, eps, fused) if qk_norm else None
+        self.attn = Attention(config.num_heads_per_rank, config.num_kv_heads_per_rank, head_dim)
 
     def forward(
         self, rope: RotaryAngles | FusedRotary, x: torch.Tensor, meta: AttentionMetadata
@@ -62,11 +81,14 @@ class DecoderAttention(nn.Module):
         v = v.view(num_tokens, -1, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             rope = rope.with_head_norms(self.q_norm, self.k_norm)
-        out = self.attn(q, k, v, meta, rope)  # [num_tokens, num_heads, head_dim]
+        out = self.attn(q, k, v, meta, rope)  # [num_tokens, num_heads_per_rank, head_dim]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
 class DecoderMLP(nn.Module):
+    """gate/up column-parallel, down row-parallel: this rank's share of the intermediate
+    features, one all-reduce."""
+
     def __init__(self, config: ModelConfig, fused: bool) -> None:
         super().__init__()
         self.act = silu_and_mul
@@ -74,16 +96,11 @@ class DecoderMLP(nn.Module):
             from metrale.kernels.silu_and_mul import silu_and_mul as fused_silu_and_mul
 
             self.act = fused_silu_and_mul
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = Linear(
-            config.hidden_size, 2 * config.intermediate_size, bias=False, fused=fused
+        features = even_slice("intermediate_size", config.intermediate_size, tp_rank(), tp_size())
+        self.gate_up_proj = ColumnParallelLinear(
+            config.hidden_size, [features, features], bias=False, fused=fused
         )
-        self.down_proj = Linear(
-            config.intermediate_size, config.hidden_size, bias=False, fused=fused
-        )
-
-    def shard_sizes(self, fused: str) -> list[int]:
-        return [self.intermediate_size, self.intermediate_size]
+        self.down_proj = RowParallelLinear(features, config.hidden_size, bias=False, fused=fused)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return silu_and_mul_linear(self.gate_up_proj(x), self.down_proj, self.act)
@@ -114,7 +131,7 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     def __init__(self, config: ModelConfig, *, qkv_bias: bool, qk_norm: bool, fused: bool) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.rotary = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope, fused
         )
@@ -148,6 +165,13 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, config: ModelConfig, fused_kernels: bool = False) -> None:
         super().__init__()
+        if config.tensor_parallel_size != tp_size():
+            raise ValueError(
+                f"the model config is split over tensor_parallel_size="
+                f"{config.tensor_parallel_size} ranks but this process's tensor-parallel group "
+                f"has {tp_size()}: join the group (distributed.init_tensor_parallel) and split "
+                f"the config (ModelConfig.with_tensor_parallel) with the same size"
+            )
         self.config = config
         self.fused_kernels = fused_kernels
         self.model = DecoderModel(
@@ -157,9 +181,7 @@ class LlamaForCausalLM(nn.Module):
         # Tied: the head's weight is the embedding's (one parameter, model.embed_tokens.weight),
         # so its own is never allocated.
         with torch.device("meta") if tied else contextlib.nullcontext():
-            self.lm_head = Linear(
-                config.hidden_size, config.vocab_size, bias=False, fused=fused_kernels
-            )
+            self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, fused_kernels)
         if tied:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -207,21 +229,38 @@ class LlamaForCausalLM(nn.Module):
             shapes["lm_head.weight"] = (config.vocab_size, h)
         return shapes
 
-    def weight_target(self, name: str) -> tuple[str, int | None]:
-        """(parameter, first row) a checkpoint tensor fills: q/k/v and gate/up fill a shard of
-        their fused matrix (first row its offset), any other tensor its own (None)."""
+    def _locate(self, name: str) -> tuple[str, str, int | None]:
+        """(module, parameter kind, shard) a checkpoint tensor fills: q/k/v and gate/up one
+        shard of their fused layer, any other tensor its own module's parameter (None)."""
         module_name, _, param_kind = name.rpartition(".")
         parent_name, _, proj = module_name.rpartition(".")
         if proj not in _FUSED_SHARDS:
-            return name, None
+            return module_name, param_kind, None
         fused, shard = _FUSED_SHARDS[proj]
-        sizes = self.get_submodule(parent_name).shard_sizes(fused)
-        return f"{parent_name}.{fused}.{param_kind}", sum(sizes[:shard])
+        return f"{parent_name}.{fused}", param_kind, shard
+
+    def weight_target(self, name: str) -> tuple[str, int | None]:
+        """(parameter, first row) a checkpoint tensor fills: q/k/v and gate/up fill a shard of
+        their fused matrix (first row its offset on this rank), any other tensor its own
+        (None)."""
+        module_name, param_kind, shard = self._locate(name)
+        target = f"{module_name}.{param_kind}"
+        if shard is None:
+            return target, None
+        return target, self.get_submodule(module_name).shard_offset(shard)
+
+    def weight_slice(self, name: str) -> TensorSlice | None:
+        """The part of checkpoint tensor `name` this rank holds; None: all of it."""
+        module_name, param_kind, shard = self._locate(name)
+        slice_of = getattr(self.get_submodule(module_name), "checkpoint_slice", None)
+        return None if slice_of is None else slice_of(param_kind, shard or 0)
 
     @torch.no_grad()
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor | PackedWeight]]) -> None:
-        """Copy checkpoint tensors into the model, fusing q/k/v and gate/up as they come. A
-        `PackedWeight` fills a linear layer that was packed (`Linear.pack_`) before loading."""
+        """Copy checkpoint tensors (this rank's slices of them, `weight_slice`) into the model,
+        fusing q/k/v and gate/up as they come. A `PackedWeight` fills a linear layer that was
+        packed (`Linear.pack_`) before loading. A vocabulary slice shorter than its padded
+        parameter fills the parameter's first rows."""
         params = dict(self.named_parameters())
         for name, tensor in tensors:
             target, first_row = self.weight_target(name)
@@ -230,8 +269,8 @@ class LlamaForCausalLM(nn.Module):
                 layer.packed.copy_rows_(first_row or 0, tensor)
             elif target in params:
                 param = params[target]
-                if first_row is not None:
-                    param = param.narrow(0, first_row, tensor.shape[0])
+                if first_row is not None or param.shape != tensor.shape:
+                    param = param.narrow(0, first_row or 0, tensor.shape[0])
                 param.copy_(tensor)
 
 

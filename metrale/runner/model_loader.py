@@ -12,7 +12,12 @@ import torch
 from torch import nn
 
 from metrale.checkpoint import gguf
-from metrale.checkpoint.weights import iter_checkpoint_tensors, iter_dummy_tensors, preflight
+from metrale.checkpoint.weights import (
+    iter_checkpoint_tensors,
+    iter_dummy_tensors,
+    preflight,
+    sliced_shapes,
+)
 from metrale.config import ModelConfig
 from metrale.kernels.quant_layout import FORMATS as PACKED_FORMATS
 from metrale.layers.linear import Linear, prepack_for_cpu
@@ -86,12 +91,21 @@ def load_model(
         raise ValueError(
             f"--quantization gguf keeps a GGUF file's weights packed; {model_dir} loads as {kind}"
         )
+    if kind == "gguf" and config.tensor_parallel_size > 1:
+        raise ValueError(
+            f"{model_dir} loads as GGUF, which does not split over tensor-parallel ranks yet "
+            f"(tensor_parallel_size={config.tensor_parallel_size}): use its safetensors "
+            f"checkpoint or --tensor-parallel-size 1"
+        )
     checked = {} if kind == "dummy" else preflight_checkpoint(model_dir, kind, expected)
     with _default_dtype(dtype), torch.device(device):
         model = cls(config, fused_kernels=fused_kernels)
+    # Under tensor parallelism each rank reads only its part of each tensor.
+    slice_of = model.weight_slice if config.tensor_parallel_size > 1 else None
     tensors: Iterable[tuple[str, torch.Tensor | PackedWeight]]
     if kind == "dummy":
-        tensors = iter_dummy_tensors(expected, device, seed=seed)
+        shapes = expected if slice_of is None else sliced_shapes(expected, slice_of)
+        tensors = iter_dummy_tensors(shapes, device, seed=seed)
     elif kind == "gguf":
         types = gguf.tensor_types(checked)
         packed = pack_linears(model, types) if quantization == "gguf" else frozenset()
@@ -101,7 +115,7 @@ def load_model(
             for name, t in raw
         )
     else:
-        tensors = iter_checkpoint_tensors(checked, device, progress)  # type: ignore[arg-type]
+        tensors = iter_checkpoint_tensors(checked, device, progress, slice_of)  # type: ignore[arg-type]
     model.load_weights(tensors)
     if device.type == "cpu":
         logger.debug("oneDNN: %d linear layers prepacked", prepack_for_cpu(model))
