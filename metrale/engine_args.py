@@ -142,6 +142,7 @@ class EngineArgs:
     shared_lookup: bool = False
     shared_lookup_entries: int | None = None
     speculation_cost_model: bool | None = None
+    tensor_parallel_size: int = 1
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -313,6 +314,16 @@ class EngineArgs:
             help="do not reuse KV blocks of shared prefixes",
         )
         SpeculativeConfig.add_cli_args(parser)
+        g = parser.add_argument_group("parallelism")
+        g.add_argument(
+            "--tensor-parallel-size",
+            "-tp",
+            type=int,
+            default=d.tensor_parallel_size,
+            help="split the model over this many ranks (GPUs of this host, or CPU processes): "
+            "query and KV heads, the MLP and the vocabulary; rank 0 is the engine process, "
+            "the others its worker processes (torch.distributed: NCCL, gloo on a CPU)",
+        )
         g = parser.add_argument_group("statistics")
         g.add_argument(
             "--disable-log-stats",
@@ -343,10 +354,13 @@ class EngineArgs:
 
         is_demo = self.is_demo
         model_dir = model_dir or self.resolve_model_dir()
-        model_config = ModelConfig.from_dir(model_dir)
+        model_config = ModelConfig.from_dir(model_dir).with_tensor_parallel(
+            self.tensor_parallel_size
+        )
         dtype = model_config.dtype if self.dtype == "auto" else parse_dtype(self.dtype)
         kv_cache_dtype = parse_kv_cache_dtype(self.kv_cache_dtype, dtype)
         device = _resolve_device(self.device)
+        _check_ranks(self.tensor_parallel_size, device)
         if self.quantization == "gguf":
             from metrale.runner.model_loader import weights_format
 
@@ -413,8 +427,9 @@ class EngineArgs:
             is_demo=is_demo,
             tokenizer_eos_token_id=_tokenizer_eos(model_dir, model_config),
             attention_backend=resolve_backend(self.attention_backend, device),
+            # (the ranks past 0 do not replay graphs yet: tensor parallelism runs eager)
             max_cuda_graph_batch=0
-            if self.enforce_eager or device.type != "cuda"
+            if self.enforce_eager or device.type != "cuda" or self.tensor_parallel_size > 1
             else self.max_cuda_graph_batch,
             async_scheduling=self.scheduler_config == "async"
             or (self.scheduler_config == "auto" and device.type == "cuda"),
@@ -428,6 +443,14 @@ class EngineArgs:
                 self.shared_lookup_entries,
                 self.speculation_cost_model,
             ),
+        )
+
+
+def _check_ranks(tensor_parallel_size: int, device: torch.device) -> None:
+    if device.type == "cuda" and 1 < tensor_parallel_size > torch.cuda.device_count():
+        raise ValueError(
+            f"tensor_parallel_size={tensor_parallel_size} needs a GPU per rank; this host has "
+            f"{torch.cuda.device_count()}"
         )
 
 

@@ -91,7 +91,9 @@ class EngineClient:
             worker = multiprocessing.get_context("spawn").Process(
                 target=run_engine_core,
                 name="metrale-engine-core",
-                daemon=True,
+                # It starts the tensor-parallel ranks past 0 itself, which a daemonic process
+                # may not; it exits when this process goes away either way (core_loop.py).
+                daemon=config.model.tensor_parallel_size == 1,
                 args=(config, input_addr, output_addr),
             )
         with engine_process_allocator(

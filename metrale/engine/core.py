@@ -12,11 +12,21 @@ schedules the next one; the penalties read a history kept on the device and neve
 
 from __future__ import annotations
 
-import dataclasses
+import _thread
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 
+import torch
+
+from metrale.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
+from metrale.distributed.workers import (
+    TensorParallelWorkers,
+    agree_on_kv_blocks,
+    load_rank_model,
+    rendezvous,
+)
 from metrale.engine.block_pool import BlockPool
 from metrale.engine.kv_cache_manager import KVCacheManager
 from metrale.engine.messages import EngineOutput, EngineRequest, StepStats
@@ -28,8 +38,6 @@ from metrale.engine.speculation.speculator import NgramSpeculator
 from metrale.engine.step import ModelRunnerOutput, SchedulerOutput
 from metrale.engine.swap_space import SwapCosts, SwapSpace
 from metrale.engine_args import EngineConfig
-from metrale.runner.gpu_memory import kv_blocks_for_gpu
-from metrale.runner.model_loader import load_model
 from metrale.runner.model_runner import LaunchedStep, ModelRunner
 from metrale.runner.structured_output import StructuredOutputs
 
@@ -49,26 +57,29 @@ class EngineCore:
         # Each step's figures, until the engine loop ships them (bounded for callers that never
         # take them, like the offline LLM).
         self.step_stats: deque[StepStats] = deque(maxlen=4096)
+        self.workers: TensorParallelWorkers | None = None  # ranks 1..N-1 (tensor parallelism)
 
     @classmethod
-    def from_config(cls, config: EngineConfig, progress: bool = True) -> EngineCore:
+    def from_config(
+        cls,
+        config: EngineConfig,
+        progress: bool = True,
+        on_rank_death: Callable[[str], None] | None = None,
+    ) -> EngineCore:
+        """Build the engine: with tensor parallelism, start the other ranks first (they load
+        their slices while this process loads its own); a rank that dies later calls
+        `on_rank_death(reason)` (default: interrupt the main thread)."""
         start = time.perf_counter()
-        model = load_model(
-            config.model_dir,
-            config.model,
-            dtype=config.dtype,
-            device=config.device,
-            load_format=config.load_format,
-            quantization=config.quantization,
-            seed=config.seed,
-            progress=progress,
-            fused_kernels=config.attention_backend == "triton",
-        )
-        if config.cache.num_blocks is None:
-            num_blocks = kv_blocks_for_gpu(model, config)
-            config = dataclasses.replace(
-                config, cache=dataclasses.replace(config.cache, num_blocks=num_blocks)
-            )
+        workers = None
+        if (size := config.model.tensor_parallel_size) > 1:
+            init_method = rendezvous()
+            workers = TensorParallelWorkers.start(config, init_method)
+            if config.device.type == "cuda":
+                torch.cuda.set_device(config.device)
+            init_tensor_parallel(size, 0, init_method)
+            workers.watch(on_rank_death or _interrupt_main)
+        model = load_rank_model(config, progress)
+        config = agree_on_kv_blocks(model, config)
         runner = ModelRunner(
             model,
             config.model,
@@ -100,7 +111,16 @@ class EngineCore:
             str(config.cache.dtype).removeprefix("torch."),
             "async" if config.async_scheduling else "sync",
         )
-        return cls(config, runner, scheduler)
+        core = cls(config, runner, scheduler)
+        core.workers = workers
+        return core
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks, if any, and leave their group."""
+        if self.workers is not None:
+            self.workers.stop()
+            self.workers = None
+            destroy_tensor_parallel()
 
     def add_request(self, request: EngineRequest) -> None:
         self.validate(request)
@@ -187,6 +207,11 @@ class EngineCore:
                     swap_s=result.swap_s,
                 )
             )
+
+
+def _interrupt_main(reason: str) -> None:
+    logger.error("%s: the engine cannot go on", reason)
+    _thread.interrupt_main()
 
 
 def speculator(config: EngineConfig, runner: ModelRunner) -> NgramSpeculator:

@@ -63,9 +63,14 @@ def run_engine_core(
     inputs.connect(input_addr)
     outputs = context.socket(zmq.PUSH)
     outputs.connect(output_addr)
+    core = None
     try:
         try:
-            core = EngineCore.from_config(config, progress=not in_process)
+            core = EngineCore.from_config(
+                config,
+                progress=not in_process,
+                on_rank_death=None if in_process else _exit_on_rank_death,
+            )
         except Exception as e:
             logger.exception("engine core failed to start")
             outputs.send_multipart(encode(MessageKind.FAILED, Failed(f"{type(e).__name__}: {e}")))
@@ -84,8 +89,17 @@ def run_engine_core(
         outputs.send_multipart(encode(MessageKind.FAILED, Failed(message)))
         raise
     finally:
+        if core is not None:
+            core.shutdown()
         outputs.close(linger=1000)
         inputs.close(linger=0)
+
+
+def _exit_on_rank_death(reason: str) -> None:
+    """A tensor-parallel rank died: the engine process exits at once, so the API process sees
+    a dead engine (503s, a red /health) instead of a step waiting on a rank that is gone."""
+    logger.error("%s: the engine core exits", reason)
+    os._exit(1)
 
 
 def _serve(

@@ -174,6 +174,11 @@ class ForwardInfo(msgspec.Struct, frozen=True):
     num_kv_blocks: int
     async_scheduling: bool
     tensor_parallel_size: int = 1
+    # Under tensor parallelism: the group's backend, each rank's device, one rank's heads
+    communication_backend: str | None = None
+    rank_devices: list[str] = []
+    num_heads_per_rank: int = 0
+    num_kv_heads_per_rank: int = 0
     quantization: str | None = None
     cpu_threads: CPUThreads | None = None  # on a CPU
 

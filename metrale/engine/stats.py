@@ -99,9 +99,27 @@ def forward_info(core: EngineCore) -> ForwardInfo:
         kv_block_size=config.cache.block_size,
         num_kv_blocks=core.scheduler.kv_cache.pool.num_blocks,
         async_scheduling=config.async_scheduling,
+        tensor_parallel_size=model.tensor_parallel_size,
+        communication_backend=communication_backend(config.device, model.tensor_parallel_size),
+        rank_devices=[str(d) for d in rank_devices(config.device, model.tensor_parallel_size)],
+        num_heads_per_rank=model.num_heads_per_rank,
+        num_kv_heads_per_rank=model.num_kv_heads_per_rank,
         quantization=_quantization(core),
         cpu_threads=None if cuda else cpu_threads(core.runner.model),
     )
+
+
+def communication_backend(device: torch.device, tensor_parallel_size: int) -> str | None:
+    """torch.distributed's backend for the ranks (None: one rank, no group)."""
+    if tensor_parallel_size == 1:
+        return None
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def rank_devices(device: torch.device, tensor_parallel_size: int) -> list[torch.device]:
+    from metrale.distributed.workers import rank_device
+
+    return [device] + [rank_device(device, r) for r in range(1, tensor_parallel_size)]
 
 
 def cpu_threads(model: torch.nn.Module) -> CPUThreads:

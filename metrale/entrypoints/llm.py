@@ -44,6 +44,10 @@ class LLM:
         self._outputs = OutputProcessor(self.tokenizer)
         self._request_counter = itertools.count()
 
+    def shutdown(self) -> None:
+        """Stop the engine's other tensor-parallel ranks (a no-op at one rank)."""
+        self.engine.shutdown()
+
     def get_tokenizer(self) -> Tokenizer:
         return self.tokenizer
 

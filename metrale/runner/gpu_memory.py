@@ -9,6 +9,8 @@ import torch
 from torch import nn
 
 from metrale.config import CacheConfig
+from metrale.distributed.parallel_state import tp_rank
+from metrale.distributed.step_message import receive_step
 from metrale.engine_args import EngineConfig
 
 logger = logging.getLogger(__name__)
@@ -34,7 +36,10 @@ def kv_blocks_for_gpu(model: nn.Module, config: EngineConfig) -> int:
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     allocated_before = torch.cuda.memory_allocated(device)
-    probe.execute(prefill_probe(num_tokens, cache.block_size))
+    if tp_rank() == 0:
+        probe.execute(prefill_probe(num_tokens, cache.block_size))
+    else:  # the same step, as rank 0 sends it (every rank profiles together)
+        probe.follow(receive_step(device, cache.block_size, config.model.sliding_window))
     torch.cuda.synchronize(device)
     activation_peak = torch.cuda.max_memory_allocated(device) - allocated_before
     del probe

@@ -19,6 +19,8 @@ import torch
 from torch import nn
 
 from metrale.config import CacheConfig, ModelConfig, SchedulerConfig
+from metrale.distributed.parallel_state import tp_rank, tp_size
+from metrale.distributed.step_message import StepInputs, send_step
 from metrale.engine.messages import TokenLogprobs
 from metrale.engine.step import (
     PENDING_TOKEN_ID,
@@ -94,6 +96,8 @@ class ModelRunner:
         self._inputs_copied = torch.cuda.Event() if device.type == "cuda" else None
         self.structured_outputs = structured_outputs
         self.build_metadata = metadata_builder(attention_backend)
+        # Rank 0 of several tensor-parallel ranks: it sends each step to the others.
+        self.leads_ranks = tp_size() > 1 and tp_rank() == 0
         self.graphs: DecodeGraphs | None = None
         if max_cuda_graph_batch > 0:
             self.graphs = DecodeGraphs(
@@ -174,6 +178,9 @@ class ModelRunner:
         chunks = scheduled.chunks
         sampling_chunks = [c for c in chunks if c.samples]
         if not chunks:
+            if self.leads_ranks and (scheduled.swap_out or scheduled.swap_in):
+                empty = self.buffers.input_ids.device[:0]
+                send_step(empty, empty, None, empty, scheduled.swap_out, scheduled.swap_in)
             return LaunchedStep([], None, None)
         graph = self.graphs.graph_for(chunks) if self.graphs is not None else None
         if graph is not None:
@@ -181,7 +188,7 @@ class ModelRunner:
             logits = graph.replay()[: len(chunks)]
             self.num_graph_replays += 1
         else:
-            input_ids, positions, meta, logits_indices = self._prepare_inputs(chunks)
+            input_ids, positions, meta, logits_indices = self._prepare_inputs(chunks, scheduled)
             hidden = self.model(input_ids, positions, meta)  # [num_tokens, hidden_size]
             if not sampling_chunks:
                 self._record_inputs_copied()
@@ -302,17 +309,32 @@ class ModelRunner:
         )
 
     def _prepare_inputs(
-        self, chunks: list[ScheduledChunk]
+        self, chunks: list[ScheduledChunk], scheduled: SchedulerOutput | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         batch = self._fill_inputs(chunks)
         num_tokens = batch.slot_mapping.shape[0]
         b = self.buffers
-        return (
-            b.input_ids.device[:num_tokens],
-            b.positions.device[:num_tokens],
-            self.build_metadata(batch),
-            b.logits_indices.copy_to_device(self._num_samples),
-        )
+        input_ids = b.input_ids.device[:num_tokens]
+        positions = b.positions.device[:num_tokens]
+        logits_indices = b.logits_indices.copy_to_device(self._num_samples)
+        if self.leads_ranks:  # the other ranks run the same batch (with the step's copies)
+            swap_out, swap_in = (scheduled.swap_out, scheduled.swap_in) if scheduled else ([], [])
+            send_step(input_ids, positions, batch, logits_indices, swap_out, swap_in)
+        return input_ids, positions, self.build_metadata(batch), logits_indices
+
+    @torch.inference_mode()
+    def follow(self, step: StepInputs) -> None:
+        """A rank other than 0: run rank 0's step (`send_step`) over this rank's slices: its
+        block copies, the forward, and the logits (whose collective gathers them to rank 0)."""
+        if step.swap_out:
+            self.kv_cache.swap_out(step.swap_out)
+        if step.swap_in:
+            self.kv_cache.swap_in(step.swap_in)
+        if step.batch is None:
+            return
+        hidden = self.model(step.input_ids, step.positions, self.build_metadata(step.batch))
+        if step.logits_indices.numel():
+            self.model.compute_logits(hidden[step.logits_indices])
 
     def _drafts(self, chunks: list[ScheduledChunk], first_rows: np.ndarray) -> Drafts | None:
         """The rows of sampled (not greedy) chunks that check a draft (a chunk's rows start at

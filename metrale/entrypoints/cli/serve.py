@@ -21,6 +21,7 @@ import msgspec
 import uvicorn
 
 from metrale.engine.messages import ForwardInfo
+from metrale.engine.stats import communication_backend, rank_devices
 from metrale.engine.watchdog import DEFAULT_MIN_REPEATS, MIN_SPAN
 from metrale.engine_args import EngineArgs
 from metrale.entrypoints.cli import Subcommand, register
@@ -323,7 +324,15 @@ async def _start_and_serve(
     with phase("backend", bus):
         logger.info("device %s, dtype %s", config.device, str(config.dtype).removeprefix("torch."))
     with phase("communication backend", bus):
-        logger.info("single rank: no tensor parallelism")
+        if (size := config.model.tensor_parallel_size) == 1:
+            logger.info("single rank: no tensor parallelism")
+        else:
+            logger.info(
+                "tensor parallelism: world size %d, %s, devices %s (rank 0: the engine process)",
+                size,
+                communication_backend(config.device, size),
+                ", ".join(str(d) for d in rank_devices(config.device, size)),
+            )
     with phase("preflight and weights", bus):
         shapes = model_cls.checkpoint_shapes(ModelConfig.from_dir(model_dir))
         preflight_checkpoint(model_dir, config.load_format, shapes)
@@ -495,6 +504,11 @@ def _effective_config(
         "engine": plain(config),
         # the engine process's threads, allocator and oneDNN layers on a CPU (None on a GPU)
         "cpu_threads": plain(forward.cpu_threads if forward is not None else None),
+        "parallelism": {
+            "tensor_parallel_size": config.model.tensor_parallel_size,
+            "communication_backend": forward.communication_backend if forward else None,
+            "rank_devices": forward.rank_devices if forward else [],
+        },
     }
 
 
