@@ -45,13 +45,14 @@ def _parts() -> dict[str, object]:
     from metrale.models.llama import LlamaForCausalLM
     from metrale.runner import sampler
     from metrale.runner.model_runner import ModelRunner
+    from metrale.runner.sampling_inputs import SamplingInputs
 
     return {
         "schedule": Scheduler.schedule,
         "prepare inputs": ModelRunner._prepare_inputs,
         "forward": LlamaForCausalLM.forward,
         "logits": LlamaForCausalLM.compute_logits,
-        "sampling metadata": ModelRunner._sampling_metadata,
+        "sampling metadata": SamplingInputs.metadata,
         "sample": sampler.sample,
         "update (stops, outputs)": Scheduler.update,
     }

@@ -141,7 +141,7 @@ class EngineCore:
         """Refuse what the engine cannot run, before it touches any engine state."""
         validate_request(self.config, request)
         if (structured := request.sampling_params.structured) is not None:
-            self.runner.structured_outputs.validate(structured)
+            self.runner.sampling.structured_outputs.validate(structured)
         if request.request_id in self.scheduler.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in the engine")
 

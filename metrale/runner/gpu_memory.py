@@ -19,7 +19,8 @@ logger = logging.getLogger(__name__)
 def kv_blocks_for_gpu(model: nn.Module, config: EngineConfig) -> int:
     """Blocks that fit in `gpu_memory_utilization` of the device once the weights, the CUDA
     context and the activation peak of the largest step (`max_num_batched_tokens`) are paid."""
-    from metrale.runner.model_runner import ModelRunner, prefill_probe
+    from metrale.runner.model_runner import ModelRunner
+    from metrale.runner.probe_steps import prefill_probe
 
     device, cache, scheduler = config.device, config.cache, config.scheduler
     num_tokens = min(scheduler.max_num_batched_tokens, scheduler.max_seq_len)

@@ -2,8 +2,9 @@
 
 The step's requests are laid end to end with no padding between them (`input_ids`,
 `positions`, `slot_mapping`), the model runs once over all of them, logits are computed only at
-each sampling chunk's last token, and the sampler picks on the device. `launch()` queues all of
-it and returns at once; `collect()` waits for the device once, where the sampled ids come back.
+each sampling chunk's last token, and the sampler picks on the device, from the inputs
+`SamplingInputs` (`sampling_inputs.py`) builds of the chunks. `launch()` queues all of it and
+returns at once; `collect()` waits for the device once, where the sampled ids come back.
 In between the host may launch the next step: its decodes read their pending input tokens from
 this step's samples, on the device.
 """
@@ -32,12 +33,10 @@ from metrale.layers.attention import AttentionMetadata, StepBatch, metadata_buil
 from metrale.runner.cuda_graphs import DecodeGraphs
 from metrale.runner.input_buffers import InputBuffers, to_device
 from metrale.runner.kv_cache import PagedKVCache, SwapTiming
-from metrale.runner.repeat_history import RepeatHistory
-from metrale.runner.repeat_penalties import RepeatPenalties
-from metrale.runner.sampler import Drafts, LogitBias, SamplerOutput, SamplingMetadata, sample
-from metrale.runner.structured_output import GrammarRows, StructuredOutputs
-from metrale.runner.truncation import Truncation
-from metrale.sampling_params import SamplingParams
+from metrale.runner.probe_steps import decode_probe, prefill_probe
+from metrale.runner.sampler import SamplerOutput, sample
+from metrale.runner.sampling_inputs import SamplingInputs
+from metrale.runner.structured_output import StructuredOutputs
 
 
 @dataclass(slots=True)
@@ -83,9 +82,13 @@ class ModelRunner:
             max_blocks_per_seq,
             device,
         )
-        self._generators: dict[str, torch.Generator] = {}
-        self.max_seq_len = scheduler_config.max_seq_len
-        self.repeat_history: RepeatHistory | None = None  # made for the first DRY or LZ request
+        self.sampling = SamplingInputs(
+            self.buffers,
+            model_config.vocab_size,
+            scheduler_config.max_seq_len,
+            device,
+            structured_outputs,
+        )
         self._num_samples = 0
         self.num_graph_replays = 0
         # The latest step's sampled ids, on the device, and its sampling chunks (one per row):
@@ -94,7 +97,6 @@ class ModelRunner:
         self._last_sampling_chunks: list[ScheduledChunk] = []
         # Fired when a step's host-to-device copies are done and its pinned buffers free again.
         self._inputs_copied = torch.cuda.Event() if device.type == "cuda" else None
-        self.structured_outputs = structured_outputs
         self.build_metadata = metadata_builder(attention_backend)
         # Rank 0 of several tensor-parallel ranks: it sends each step to the others.
         self.leads_ranks = tp_size() > 1 and tp_rank() == 0
@@ -170,11 +172,7 @@ class ModelRunner:
 
     def _launch(self, scheduled: SchedulerOutput) -> LaunchedStep:
         for request_id in scheduled.finished_request_ids:
-            self._generators.pop(request_id, None)
-            if self.repeat_history is not None:
-                self.repeat_history.free(request_id)
-            if self.structured_outputs is not None:
-                self.structured_outputs.drop(request_id)
+            self.sampling.drop(request_id)
         chunks = scheduled.chunks
         sampling_chunks = [c for c in chunks if c.samples]
         if not chunks:
@@ -194,17 +192,10 @@ class ModelRunner:
                 self._record_inputs_copied()
                 return LaunchedStep([], None, None)
             logits = self.model.compute_logits(hidden[logits_indices])
-        rows, drafts, first_rows = sampling_chunks, None, None
-        if scheduled.has_drafts:
-            # A chunk with drafts samples at each of their positions too: one row each.
-            rows = [c for c in sampling_chunks for _ in range(1 + len(c.draft_token_ids))]
-            first_rows = np.cumsum([0] + [1 + len(c.draft_token_ids) for c in sampling_chunks])
-            drafts = self._drafts(sampling_chunks, first_rows)
-        metadata = self._sampling_metadata(rows, drafts, self._grammar(sampling_chunks, first_rows))
+        metadata, first_rows = self.sampling.prepare(sampling_chunks, scheduled.has_drafts)
         self._record_inputs_copied()
         result = sample(logits.float(), metadata)
-        if metadata.penalties is not None:
-            self.repeat_history.append(metadata.penalties, result.token_ids)
+        self.sampling.record(metadata, result.token_ids)
         self._last_samples = result.token_ids
         if first_rows is not None:  # each chunk's own row: the first of its rows
             self._last_samples = result.token_ids[
@@ -336,142 +327,6 @@ class ModelRunner:
         if step.logits_indices.numel():
             self.model.compute_logits(hidden[step.logits_indices])
 
-    def _drafts(self, chunks: list[ScheduledChunk], first_rows: np.ndarray) -> Drafts | None:
-        """The rows of sampled (not greedy) chunks that check a draft (a chunk's rows start at
-        `first_rows`); None when none does."""
-        rows, token_ids = [], []
-        for chunk, row in zip(chunks, first_rows.tolist(), strict=False):
-            drafts = chunk.draft_token_ids
-            if drafts and not chunk.sampling_params.greedy:
-                rows += range(row, row + len(drafts))
-                token_ids += drafts
-        if not rows:
-            return None
-        return Drafts(
-            self._tensor(rows, torch.int64), self._tensor(token_ids, torch.int64), tuple(rows)
-        )
-
-    def _sampling_metadata(
-        self,
-        chunks: list[ScheduledChunk],
-        drafts: Drafts | None = None,
-        grammar: dict | None = None,
-    ) -> SamplingMetadata:
-        params = [c.sampling_params for c in chunks]
-        vocab_size = self.model_config.vocab_size
-        b = self.buffers
-        n = len(params)
-        b.temperature.np[:n] = [p.temperature for p in params]
-        b.top_k.np[:n] = [p.top_k or vocab_size for p in params]
-        b.top_p.np[:n] = [p.top_p for p in params]
-        b.min_p.np[:n] = [p.min_p for p in params]
-        generators = {}
-        for row, chunk in enumerate(chunks):
-            seed = chunk.sampling_params.seed
-            if seed is not None and not chunk.sampling_params.greedy:
-                generators[row] = self._generator(chunk.request_id, seed)
-        logprobs = [p.logprobs for p in params if p.logprobs is not None]
-        return SamplingMetadata(
-            temperature=b.temperature.copy_to_device(n),
-            top_k=b.top_k.copy_to_device(n),
-            top_p=b.top_p.copy_to_device(n),
-            min_p=b.min_p.copy_to_device(n),
-            all_greedy=all(p.greedy for p in params),
-            any_top_k_or_p=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
-            any_min_p=any(p.min_p > 0 for p in params),
-            generators=generators,
-            banned=[
-                (row, c.banned_token_ids) for row, c in enumerate(chunks) if c.banned_token_ids
-            ],
-            max_num_logprobs=max(logprobs) if logprobs else None,
-            logit_bias=self._logit_bias(params),
-            truncation=self._truncation(params),
-            drafts=drafts,
-            penalties=self._penalties(chunks),
-            forced=[
-                (row, c.forced_token_id)
-                for row, c in enumerate(chunks)
-                if c.forced_token_id is not None
-            ],
-            **(grammar or {}),
-        )
-
-    def _grammar(self, chunks: list[ScheduledChunk], first_rows: np.ndarray | None) -> dict:
-        """The grammar bitmask of the constrained chunks' rows (a chunk's rows start at
-        `first_rows`, or one row each when None): sampler fields, empty when none is."""
-        rows = [
-            GrammarRows(
-                row if first_rows is None else int(first_rows[row]),
-                c.request_id,
-                c.structured,
-                c.thinking_opener,
-                c.draft_token_ids,
-            )
-            for row, c in enumerate(chunks)
-            if c.structured
-        ]
-        if not rows:
-            return {}
-        if self.structured_outputs is None:
-            raise RuntimeError("structured output requested but the engine has no grammar backend")
-        num_rows = len(chunks) if first_rows is None else int(first_rows[-1])
-        bitmask, grammar_rows = self.structured_outputs.bitmask(rows, num_rows, self.device)
-        return {"grammar_bitmask": bitmask, "grammar_rows": grammar_rows}
-
-    def _truncation(self, params: list[SamplingParams]) -> Truncation | None:
-        """The sampled rows that use top-nσ, typical or XTC; None when none does."""
-        rows = [row for row, p in enumerate(params) if p.truncates and not p.greedy]
-        if not rows:
-            return None
-        used = [params[row] for row in rows]
-        return Truncation(
-            rows=self._tensor(rows, torch.int64),
-            host_rows=tuple(rows),
-            top_n_sigma=self._tensor([p.top_n_sigma for p in used], torch.float32),
-            typical_p=self._tensor([p.typical_p for p in used], torch.float32),
-            xtc_threshold=self._tensor([p.xtc_threshold for p in used], torch.float32),
-            xtc_probability=self._tensor([p.xtc_probability for p in used], torch.float32),
-            any_top_n_sigma=any(p.top_n_sigma > 0 for p in used),
-            any_typical=any(p.typical_p < 1.0 for p in used),
-            any_xtc=any(p.xtc_probability > 0 for p in used),
-        )
-
-    def _penalties(self, chunks: list[ScheduledChunk]) -> RepeatPenalties | None:
-        """The rows with a penalty, over their histories on the device."""
-        rows = [(row, c) for row, c in enumerate(chunks) if c.sampling_params.reads_history]
-        if not rows:
-            return None
-        if self.repeat_history is None:
-            self.repeat_history = RepeatHistory(
-                self.max_seq_len, self.model_config.vocab_size, self.device
-            )
-        return self.repeat_history.prepare(rows)
-
-    def _logit_bias(self, params: list[SamplingParams]) -> LogitBias | None:
-        rows, token_ids, values = [], [], []
-        for row, p in enumerate(params):
-            for token_id, value in (p.logit_bias or {}).items():
-                rows.append(row)
-                token_ids.append(token_id)
-                values.append(value)
-        if not rows:
-            return None
-        return LogitBias(
-            rows=self._tensor(rows, torch.int64),
-            token_ids=self._tensor(token_ids, torch.int64),
-            values=self._tensor(values, torch.float32),
-        )
-
-    def _generator(self, request_id: str, seed: int) -> torch.Generator:
-        generator = self._generators.get(request_id)
-        if generator is None:
-            generator = torch.Generator(device=self.device).manual_seed(seed)
-            self._generators[request_id] = generator
-        return generator
-
-    def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
-        return to_device(values, dtype, self.device)
-
     def _copy_to_host(self, result: SamplerOutput, chunks: list[ScheduledChunk]) -> LaunchedStep:
         if self.device.type != "cuda":
             return LaunchedStep(chunks, result, None)
@@ -508,12 +363,13 @@ class ModelRunner:
         result, chunks = step.samples, step.chunks
         token_ids, accepted, rows = verify(chunks, result.token_ids.tolist())
         timing["accepted_draft_ids"] = accepted
+        structured_outputs = self.sampling.structured_outputs
         for i, (chunk, token_id) in enumerate(zip(chunks, token_ids, strict=True)):
-            if chunk.structured is None or self.structured_outputs is None:
+            if chunk.structured is None or structured_outputs is None:
                 continue
             if token_id != chunk.thinking_opener:  # a thinking block opened: the grammar waits
                 kept = [] if accepted is None else accepted[i]
-                self.structured_outputs.accept(chunk.request_id, [*kept, token_id])
+                structured_outputs.accept(chunk.request_id, [*kept, token_id])
         if result.logprobs is None:
             return ModelRunnerOutput(token_ids, [None] * len(token_ids), **timing)
         chosen = result.logprobs.tolist()
@@ -563,41 +419,3 @@ def verify(
         rows.append(row + num_accepted)
         row += 1 + len(drafts)
     return token_ids, accepted, rows
-
-
-def prefill_probe(num_tokens: int, block_size: int) -> SchedulerOutput:
-    """A step that prefills `num_tokens` tokens into the pool's first blocks and samples once:
-    what startup times and profiles, before any request holds a block."""
-    chunk = ScheduledChunk(
-        "probe",
-        [0] * num_tokens,
-        0,
-        list(range(-(-num_tokens // block_size))),
-        True,
-        SamplingParams(temperature=0.0),
-    )
-    return SchedulerOutput([chunk])
-
-
-def decode_probe(
-    num_seqs: int, num_drafts: int, context_len: int, block_size: int, num_blocks: int
-) -> SchedulerOutput:
-    """A decode step of `num_seqs` sequences at `context_len` tokens (fewer where the pool is
-    small), each checking `num_drafts` drafts; the sequences share the pool's first blocks: what
-    startup times, before any request holds a block."""
-    context_len = min(context_len, num_blocks * block_size - 1 - num_drafts)
-    block_ids = list(range(-(-(context_len + 1 + num_drafts) // block_size)))
-    drafts = (0,) * num_drafts
-    chunks = [
-        ScheduledChunk(
-            f"probe-{i}",
-            [0, *drafts],
-            context_len,
-            block_ids,
-            True,
-            SamplingParams(temperature=0.0),
-            draft_token_ids=drafts,
-        )
-        for i in range(num_seqs)
-    ]
-    return SchedulerOutput(chunks, has_drafts=num_drafts > 0)

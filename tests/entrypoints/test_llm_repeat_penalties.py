@@ -98,7 +98,7 @@ def test_a_preemption_storm_changes_nothing(case, preemption_mode):
         outputs = llm.generate(prompts, PARAMS, use_tqdm=False)
         # The runner hears of finished requests at its next step: every slot is free after it.
         llm.generate([prompts[0]], SamplingParams(max_tokens=2), use_tqdm=False)
-        assert not llm.engine.runner.repeat_history.slots
+        assert not llm.engine.runner.sampling.repeat_history.slots
         return [o.outputs[0].token_ids for o in outputs], llm.engine.scheduler
 
     alone, _ = generate()

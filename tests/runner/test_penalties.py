@@ -48,7 +48,7 @@ def make_meta(
         chunk(row, p, TokenHistory(*histories[row]) if p.reads_history else None)
         for row, p in enumerate(params)
     ]
-    return make_runner()._sampling_metadata(chunks)
+    return make_runner().sampling.metadata(chunks)
 
 
 def random_history(rng: random.Random) -> tuple[list[int], list[int]]:
@@ -220,7 +220,7 @@ def test_runner_keeps_histories_the_sampler_applies():
     chunks = [
         chunk(row, p, histories[row] if p.has_penalties else None) for row, p in enumerate(params)
     ]
-    meta = make_runner()._sampling_metadata(chunks)
+    meta = make_runner().sampling.metadata(chunks)
     assert meta.penalties is not None and meta.penalties.rows.tolist() == [1, 2, 4]
     logits = torch.randn(len(params), VOCAB) * 3
     adjusted = logits.clone()
@@ -243,7 +243,7 @@ def test_a_penalty_window_counts_only_the_last_tokens(window):
         presence_penalty=0.3,
         repetition_penalty_window=window,
     )
-    meta = make_runner()._sampling_metadata([chunk(0, params, TokenHistory(prompt, output))])
+    meta = make_runner().sampling.metadata([chunk(0, params, TokenHistory(prompt, output))])
     logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(window)) * 3
     adjusted = logits.clone()
     _adjust_logits(adjusted, meta)
@@ -260,7 +260,7 @@ def test_a_penalty_window_counts_only_the_last_tokens(window):
 
 def test_runner_metadata_has_no_penalty_or_bias_pass_when_no_row_asks():
     chunks = [chunk(row, SamplingParams(temperature=0), None) for row in range(3)]
-    meta = make_runner()._sampling_metadata(chunks)
+    meta = make_runner().sampling.metadata(chunks)
     assert meta.penalties is None and meta.logit_bias is None and meta.all_greedy
 
 
