@@ -82,6 +82,17 @@ class EngineConfig:
     quantization: str | None = None  # gguf: GGUF linear weights stay packed
     log_stats: bool = True  # each step's figures (StepStats) and the server's /metrics
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
+    # Engine cores behind the API server (--data-parallel-size), and which one this is: core i
+    # runs on the devices from i x tensor_parallel_size on.
+    data_parallel_size: int = 1
+    data_parallel_rank: int = 0
+
+    def for_core(self, rank: int) -> EngineConfig:
+        """This config as data-parallel core `rank` runs it: on its own devices."""
+        device = self.device
+        if device.type == "cuda":
+            device = torch.device("cuda", rank * self.model.tensor_parallel_size)
+        return dataclasses.replace(self, data_parallel_rank=rank, device=device)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -143,6 +154,7 @@ class EngineArgs:
     shared_lookup_entries: int | None = None
     speculation_cost_model: bool | None = None
     tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -324,6 +336,16 @@ class EngineArgs:
             "query and KV heads, the MLP and the vocabulary; rank 0 is the engine process, "
             "the others its worker processes (torch.distributed: NCCL, gloo on a CPU)",
         )
+        g.add_argument(
+            "--data-parallel-size",
+            "-dp",
+            type=int,
+            default=d.data_parallel_size,
+            help="run this many engine cores (each on its own tensor-parallel-size GPUs, or "
+            "CPU processes) behind the one API server; a request goes to the core that last "
+            "served a prompt starting as it does (its prefix cache), unless that core is busier "
+            "than the least loaded",
+        )
         g = parser.add_argument_group("statistics")
         g.add_argument(
             "--disable-log-stats",
@@ -360,7 +382,7 @@ class EngineArgs:
         dtype = model_config.dtype if self.dtype == "auto" else parse_dtype(self.dtype)
         kv_cache_dtype = parse_kv_cache_dtype(self.kv_cache_dtype, dtype)
         device = _resolve_device(self.device)
-        _check_ranks(self.tensor_parallel_size, device)
+        _check_ranks(self.tensor_parallel_size, self.data_parallel_size, device)
         if self.quantization == "gguf":
             from metrale.runner.model_loader import weights_format
 
@@ -443,13 +465,18 @@ class EngineArgs:
                 self.shared_lookup_entries,
                 self.speculation_cost_model,
             ),
+            data_parallel_size=self.data_parallel_size,
         )
 
 
-def _check_ranks(tensor_parallel_size: int, device: torch.device) -> None:
-    if device.type == "cuda" and 1 < tensor_parallel_size > torch.cuda.device_count():
+def _check_ranks(tensor_parallel_size: int, data_parallel_size: int, device: torch.device) -> None:
+    if data_parallel_size < 1:
+        raise ValueError(f"data_parallel_size={data_parallel_size} is out of range: must be >= 1")
+    num_ranks = tensor_parallel_size * data_parallel_size
+    if device.type == "cuda" and 1 < num_ranks > torch.cuda.device_count():
         raise ValueError(
-            f"tensor_parallel_size={tensor_parallel_size} needs a GPU per rank; this host has "
+            f"tensor_parallel_size={tensor_parallel_size} x data_parallel_size="
+            f"{data_parallel_size} needs {num_ranks} GPUs, a GPU per rank; this host has "
             f"{torch.cuda.device_count()}"
         )
 

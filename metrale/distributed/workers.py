@@ -48,9 +48,20 @@ def rendezvous() -> str:
         return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
+def share_cpu(config: EngineConfig) -> None:
+    """On a CPU, give this rank its share of the cores when several ranks or engine cores
+    share the host (each would otherwise start a thread per core, and they would fight)."""
+    num_ranks = config.model.tensor_parallel_size * config.data_parallel_size
+    if config.device.type == "cpu" and num_ranks > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // num_ranks))
+
+
 def rank_device(device: torch.device, rank: int) -> torch.device:
-    """The device of `rank` on this host: its own GPU, or the CPU."""
-    return torch.device("cuda", rank) if device.type == "cuda" else device
+    """The device of `rank` on this host, rank 0's being `device`: its own GPU (the next ones
+    after rank 0's), or the CPU."""
+    if device.type != "cuda":
+        return device
+    return torch.device("cuda", (device.index or 0) + rank)
 
 
 class TensorParallelWorkers:
@@ -119,6 +130,7 @@ def run_worker(rank: int, init_method: str, config: EngineConfig) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     config = dataclasses.replace(config, device=device)
+    share_cpu(config)
     init_tensor_parallel(size, rank, init_method)
     _watch_parent()
     try:

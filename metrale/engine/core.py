@@ -26,6 +26,7 @@ from metrale.distributed.workers import (
     agree_on_kv_blocks,
     load_rank_model,
     rendezvous,
+    share_cpu,
 )
 from metrale.engine.block_pool import BlockPool
 from metrale.engine.kv_cache_manager import KVCacheManager
@@ -70,6 +71,7 @@ class EngineCore:
         their slices while this process loads its own); a rank that dies later calls
         `on_rank_death(reason)` (default: interrupt the main thread)."""
         start = time.perf_counter()
+        share_cpu(config)
         workers = None
         if (size := config.model.tensor_parallel_size) > 1:
             init_method = rendezvous()

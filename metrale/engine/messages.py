@@ -174,6 +174,7 @@ class ForwardInfo(msgspec.Struct, frozen=True):
     num_kv_blocks: int
     async_scheduling: bool
     tensor_parallel_size: int = 1
+    data_parallel_size: int = 1  # engine cores; this one's figures are core 0's
     # Under tensor parallelism: the group's backend, each rank's device, one rank's heads
     communication_backend: str | None = None
     rank_devices: list[str] = []
@@ -198,6 +199,10 @@ class Outputs(msgspec.Struct, frozen=True):
     kv_cache: KVCacheStats
     rejected: list[tuple[str, str]]
     steps: list[StepStats] = msgspec.field(default_factory=list)
+    # Under data parallelism (set in the API process, data_parallel_client.py): the core that
+    # sent it, `kv_cache` summed over every core, and each core's own (None: not heard from yet)
+    engine: int = 0
+    engines: list[KVCacheStats | None] | None = None
 
 
 class Failed(msgspec.Struct, frozen=True):

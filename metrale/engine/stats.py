@@ -100,6 +100,7 @@ def forward_info(core: EngineCore) -> ForwardInfo:
         num_kv_blocks=core.scheduler.kv_cache.pool.num_blocks,
         async_scheduling=config.async_scheduling,
         tensor_parallel_size=model.tensor_parallel_size,
+        data_parallel_size=config.data_parallel_size,
         communication_backend=communication_backend(config.device, model.tensor_parallel_size),
         rank_devices=[str(d) for d in rank_devices(config.device, model.tensor_parallel_size)],
         num_heads_per_rank=model.num_heads_per_rank,

@@ -15,6 +15,7 @@ import time
 from collections.abc import AsyncIterator
 
 from metrale.engine.client import EngineClient, EngineDeadError
+from metrale.engine.data_parallel_client import DataParallelClient
 from metrale.engine.messages import EngineRequest
 from metrale.frontend.output_processor import CompletionDelta, OutputProcessor
 from metrale.telemetry.hub import Telemetry
@@ -29,7 +30,10 @@ class RequestRejectedError(ValueError):
 
 class AsyncLLM:
     def __init__(
-        self, client: EngineClient, tokenizer: Tokenizer, telemetry: Telemetry | None = None
+        self,
+        client: EngineClient | DataParallelClient,
+        tokenizer: Tokenizer,
+        telemetry: Telemetry | None = None,
     ) -> None:
         self.client = client
         self.telemetry = telemetry or Telemetry(None)

@@ -8,6 +8,7 @@ import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from metrale.engine.messages import KVCacheStats
 from metrale.engine.swap_space import SwapStats
 from metrale.hardware import describe
 from metrale.server.state import ServerState
@@ -41,9 +42,17 @@ async def serve_config(request: Request) -> dict[str, Any]:
 @router.get("/memory")
 async def memory(request: Request) -> dict[str, Any]:
     state: ServerState = request.app.state.server
-    kv = state.llm.client.kv_cache
-    if kv is None:
+    client = state.llm.client
+    if client.kv_cache is None:
         return {"kv_cache": None}
+    figures = memory_figures(client.kv_cache)
+    if (engines := getattr(client, "kv_caches", None)) is not None:  # data parallelism
+        figures["engines"] = [None if kv is None else memory_figures(kv) for kv in engines]
+    return figures
+
+
+def memory_figures(kv: KVCacheStats) -> dict[str, Any]:
+    """One pool's blocks and requests, as /memory shows them."""
     return {
         "kv_cache": {
             "block_size": kv.block_size,

@@ -67,6 +67,15 @@ class LiveRequest(msgspec.Struct, frozen=True):
     generated_tokens: int
 
 
+class EngineLoad(msgspec.Struct, frozen=True):
+    """One engine core's share of a summary, under data parallelism."""
+
+    engine: int
+    running: int
+    waiting: int
+    kv_cache_usage: float
+
+
 class StepSummary(Event, frozen=True, tag="step"):
     """The engine's state, at most `SUMMARY_HZ` times a second while it works, and once when it
     goes idle. Rates are over the interval since the previous summary."""
@@ -79,6 +88,8 @@ class StepSummary(Event, frozen=True, tag="step"):
     generation_tokens_per_s: float
     steps: int  # engine steps in the interval
     live: list[LiveRequest] = msgspec.field(default_factory=list)  # generated so far, each
+    # each core's, under data parallelism (the figures above sum them); empty: one core
+    engines: list[EngineLoad] = msgspec.field(default_factory=list)
 
 
 class Log(Event, frozen=True, tag="log"):

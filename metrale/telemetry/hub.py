@@ -211,6 +211,16 @@ class Telemetry:
             metrics.num_requests_running.set(kv.num_running)
             metrics.num_requests_waiting.set(kv.num_waiting)
             metrics.kv_cache_usage_perc.set(kv.usage)
+            for engine, core_kv in enumerate(batch.engines or ()):
+                if core_kv is not None:
+                    label = str(engine)
+                    metrics.child(metrics.num_requests_running_per_engine, label).set(
+                        core_kv.num_running
+                    )
+                    metrics.child(metrics.num_requests_waiting_per_engine, label).set(
+                        core_kv.num_waiting
+                    )
+                    metrics.child(metrics.kv_cache_usage_perc_per_engine, label).set(core_kv.usage)
             # The engine counts from its start; the counters grow by what it added since.
             metrics.num_preemptions.inc(kv.num_preemptions - _count(previous, "num_preemptions"))
             metrics.prefix_cache_queries.inc(
@@ -246,7 +256,7 @@ class Telemetry:
         idle = kv.num_running == 0 and kv.num_waiting == 0
         self._summary.busy |= not idle
         if now - self._summary.start_s >= SUMMARY_INTERVAL_S or (idle and self._summary.busy):
-            self.bus.publish(self._summarize(kv, now))
+            self.bus.publish(self._summarize(kv, now, batch.engines))
 
     def _swap_metrics(self, kv: KVCacheStats, previous: KVCacheStats | None) -> None:
         metrics, swap = self.metrics, kv.swap
@@ -276,7 +286,9 @@ class Telemetry:
                 per_position = metrics.spec_decode_num_accepted_tokens_per_pos
                 metrics.child(per_position, str(position)).inc(count - then)
 
-    def _summarize(self, kv: KVCacheStats, now: float) -> events.StepSummary:
+    def _summarize(
+        self, kv: KVCacheStats, now: float, engines: list[KVCacheStats | None] | None
+    ) -> events.StepSummary:
         window = self._summary
         elapsed = max(now - window.start_s, 1e-9)
         queried = kv.num_prefix_queried_tokens - window.prefix_queried
@@ -290,6 +302,11 @@ class Telemetry:
             generation_tokens_per_s=(self._generated_tokens - window.generated_tokens) / elapsed,
             steps=window.steps,
             live=[events.LiveRequest(r.request_id, r.generated) for r in self.live.values()],
+            engines=[
+                events.EngineLoad(i, core.num_running, core.num_waiting, core.usage)
+                for i, core in enumerate(engines or ())
+                if core is not None
+            ],
         )
         self._summary = _SummaryWindow(
             now,

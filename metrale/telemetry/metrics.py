@@ -77,8 +77,9 @@ class Metrics:
         def bound(metric: Any, extra: tuple[str, ...]) -> Any:
             return metric if extra else metric.labels(model_name)
 
-        def gauge(name: str, doc: str) -> Gauge:
-            return bound(Gauge(PREFIX + name, doc, labels, registry=self.registry), ())
+        def gauge(name: str, doc: str, extra: tuple[str, ...] = ()) -> Gauge:
+            metric = Gauge(PREFIX + name, doc, [*labels, *extra], registry=self.registry)
+            return bound(metric, extra)
 
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
             metric = Counter(PREFIX + name, doc, [*labels, *extra], registry=self.registry)
@@ -96,6 +97,18 @@ class Metrics:
         self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be run")
         self.kv_cache_usage_perc = gauge(
             "kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1)"
+        )
+        # Each engine core's, under data parallelism (the series above sum every core's)
+        self.num_requests_running_per_engine = gauge(
+            "num_requests_running_per_engine", "Requests in decode or prefill, by core", ("engine",)
+        )
+        self.num_requests_waiting_per_engine = gauge(
+            "num_requests_waiting_per_engine", "Requests waiting to be run, by core", ("engine",)
+        )
+        self.kv_cache_usage_perc_per_engine = gauge(
+            "kv_cache_usage_perc_per_engine",
+            "Fraction of a core's KV-cache blocks in use (0 to 1)",
+            ("engine",),
         )
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished prefills")
         self.generation_tokens = counter("generation_tokens", "Generated tokens")

@@ -275,6 +275,7 @@ async def _start_and_serve(
     from metrale import demo
     from metrale.config import ModelConfig
     from metrale.engine.client import EngineClient
+    from metrale.engine.data_parallel_client import DataParallelClient
     from metrale.frontend.async_llm import AsyncLLM
     from metrale.frontend.parser_selection import behavior_sources, choose_behavior
     from metrale.models import model_class_for
@@ -324,6 +325,11 @@ async def _start_and_serve(
     with phase("backend", bus):
         logger.info("device %s, dtype %s", config.device, str(config.dtype).removeprefix("torch."))
     with phase("communication backend", bus):
+        if config.data_parallel_size > 1:
+            logger.info(
+                "data parallelism: %d engine cores, requests routed by prefix affinity, then load",
+                config.data_parallel_size,
+            )
         if (size := config.model.tensor_parallel_size) == 1:
             logger.info("single rank: no tensor parallelism")
         else:
@@ -336,7 +342,10 @@ async def _start_and_serve(
     with phase("preflight and weights", bus):
         shapes = model_cls.checkpoint_shapes(ModelConfig.from_dir(model_dir))
         preflight_checkpoint(model_dir, config.load_format, shapes)
-        client = await EngineClient.start(config, in_process=args.engine_in_thread)
+        if config.data_parallel_size > 1:
+            client = await DataParallelClient.start(config, in_process=args.engine_in_thread)
+        else:
+            client = await EngineClient.start(config, in_process=args.engine_in_thread)
         config = client.config  # with the KV pool size the engine settled on
     try:
         with phase("tokenizer and template", bus):
@@ -505,6 +514,7 @@ def _effective_config(
         # the engine process's threads, allocator and oneDNN layers on a CPU (None on a GPU)
         "cpu_threads": plain(forward.cpu_threads if forward is not None else None),
         "parallelism": {
+            "data_parallel_size": config.data_parallel_size,
             "tensor_parallel_size": config.model.tensor_parallel_size,
             "communication_backend": forward.communication_backend if forward else None,
             "rank_devices": forward.rank_devices if forward else [],
