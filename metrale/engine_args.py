@@ -12,7 +12,7 @@ import dataclasses
 import logging
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -27,6 +27,7 @@ from metrale.config import (
     parse_dtype,
     parse_kv_cache_dtype,
 )
+from metrale.distributed.launch import Launch
 from metrale.engine.scheduling_policy import POLICIES
 from metrale.engine.speculation.config import SpeculativeConfig
 from metrale.generation_config import GenerationDefaults
@@ -86,6 +87,7 @@ class EngineConfig:
     # runs on the devices from i x tensor_parallel_size on.
     data_parallel_size: int = 1
     data_parallel_rank: int = 0
+    launch: Launch = field(default_factory=Launch)  # the nodes the ranks run on
 
     def for_core(self, rank: int) -> EngineConfig:
         """This config as data-parallel core `rank` runs it: on its own devices."""
@@ -155,6 +157,10 @@ class EngineArgs:
     speculation_cost_model: bool | None = None
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
+    nnodes: int | None = None
+    node_rank: int | None = None
+    master_addr: str | None = None
+    master_port: int | None = None
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -346,6 +352,22 @@ class EngineArgs:
             "served a prompt starting as it does (its prefix cache), unless that core is busier "
             "than the least loaded",
         )
+        g.add_argument(
+            "--nnodes",
+            type=int,
+            help="hosts the tensor-parallel ranks span, as many on each (default: NNODES, else "
+            "1); node 0 runs the API server, the others `met serve` with their --node-rank",
+        )
+        g.add_argument(
+            "--node-rank",
+            type=int,
+            help="this host's place among --nnodes (default: NODE_RANK, else 0); a node past 0 "
+            "only runs its ranks, and serves no API",
+        )
+        g.add_argument(
+            "--master-addr", help="node 0's address for the ranks to meet (default: MASTER_ADDR)"
+        )
+        g.add_argument("--master-port", type=int, help="its port for them (default: MASTER_PORT)")
         g = parser.add_argument_group("statistics")
         g.add_argument(
             "--disable-log-stats",
@@ -382,7 +404,8 @@ class EngineArgs:
         dtype = model_config.dtype if self.dtype == "auto" else parse_dtype(self.dtype)
         kv_cache_dtype = parse_kv_cache_dtype(self.kv_cache_dtype, dtype)
         device = _resolve_device(self.device)
-        _check_ranks(self.tensor_parallel_size, self.data_parallel_size, device)
+        launch = Launch.from_flags(self.nnodes, self.node_rank, self.master_addr, self.master_port)
+        _check_ranks(self.tensor_parallel_size, self.data_parallel_size, launch, device)
         if self.quantization == "gguf":
             from metrale.runner.model_loader import weights_format
 
@@ -466,13 +489,21 @@ class EngineArgs:
                 self.speculation_cost_model,
             ),
             data_parallel_size=self.data_parallel_size,
+            launch=launch,
         )
 
 
-def _check_ranks(tensor_parallel_size: int, data_parallel_size: int, device: torch.device) -> None:
+def _check_ranks(
+    tensor_parallel_size: int, data_parallel_size: int, launch: Launch, device: torch.device
+) -> None:
     if data_parallel_size < 1:
         raise ValueError(f"data_parallel_size={data_parallel_size} is out of range: must be >= 1")
-    num_ranks = tensor_parallel_size * data_parallel_size
+    if launch.nnodes > 1 and data_parallel_size > 1:
+        raise ValueError(
+            "data parallelism across nodes is not supported: run a server on each node (or "
+            "--data-parallel-size on one node)"
+        )
+    num_ranks = launch.ranks_per_node(tensor_parallel_size) * data_parallel_size
     if device.type == "cuda" and 1 < num_ranks > torch.cuda.device_count():
         raise ValueError(
             f"tensor_parallel_size={tensor_parallel_size} x data_parallel_size="

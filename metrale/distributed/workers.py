@@ -19,9 +19,8 @@ import dataclasses
 import logging
 import multiprocessing
 import os
-import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import wait
 
 import torch
@@ -32,20 +31,11 @@ from metrale.distributed.parallel_state import (
     init_tensor_parallel,
     tp_size,
 )
+from metrale.distributed.setup_check import check_same_setup
 from metrale.distributed.step_message import receive_step, send_stop
 from metrale.engine_args import EngineConfig
 
 logger = logging.getLogger(__name__)
-
-
-def rendezvous() -> str:
-    """The group's init method: torchrun's environment (MASTER_ADDR / MASTER_PORT) where it is
-    set, else a free port of this host."""
-    if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
-        return "env://"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
 def share_cpu(config: EngineConfig) -> None:
@@ -56,12 +46,14 @@ def share_cpu(config: EngineConfig) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // num_ranks))
 
 
-def rank_device(device: torch.device, rank: int) -> torch.device:
-    """The device of `rank` on this host, rank 0's being `device`: its own GPU (the next ones
-    after rank 0's), or the CPU."""
+def rank_device(config: EngineConfig, rank: int) -> torch.device:
+    """The device of `rank` on its node: the GPU after the node's first rank's by the rank's
+    place among the node's ranks (the first being `config.device`'s), or the CPU."""
+    device = config.device
     if device.type != "cuda":
         return device
-    return torch.device("cuda", (device.index or 0) + rank)
+    local = rank % config.launch.ranks_per_node(config.model.tensor_parallel_size)
+    return torch.device("cuda", (device.index or 0) + local)
 
 
 class TensorParallelWorkers:
@@ -73,8 +65,10 @@ class TensorParallelWorkers:
         self._stopping = threading.Event()
 
     @classmethod
-    def start(cls, config: EngineConfig, init_method: str) -> TensorParallelWorkers:
-        size = config.model.tensor_parallel_size
+    def start(
+        cls, config: EngineConfig, init_method: str, ranks: Sequence[int]
+    ) -> TensorParallelWorkers:
+        """Start `ranks` (of this node; never 0, the engine core's own) as processes."""
         context = multiprocessing.get_context("spawn")
         processes = [
             context.Process(
@@ -83,15 +77,24 @@ class TensorParallelWorkers:
                 name=f"metrale-tp-rank-{rank}",
                 daemon=True,
             )
-            for rank in range(1, size)
+            for rank in ranks
         ]
         for process in processes:
             process.start()
-        logger.info("tensor parallelism: %d ranks, %s", size, init_method)
         return cls(processes, config.device)
+
+    def wait(self) -> int:
+        """Block until every rank has exited (a node past 0 does nothing else); the first
+        nonzero exit code, else 0."""
+        for process in self.processes:
+            process.join()
+        return next((p.exitcode for p in self.processes if p.exitcode), 0)
 
     def watch(self, on_death: Callable[[str], None]) -> None:
         """Call `on_death(reason)` from a thread as soon as a rank exits unasked."""
+
+        if not self.processes:  # every other rank is on another node
+            return
 
         def watcher() -> None:
             sentinels = {p.sentinel: p for p in self.processes}
@@ -103,6 +106,14 @@ class TensorParallelWorkers:
             on_death(f"tensor-parallel {process.name} exited (exit code {process.exitcode})")
 
         threading.Thread(target=watcher, name="metrale-tp-watch", daemon=True).start()
+
+    def kill(self) -> None:
+        """End the ranks now (a node past 0 leaving: rank 0, on another node, cannot be asked)."""
+        self._stopping.set()
+        for process in self.processes:
+            if process.is_alive():
+                process.kill()
+            process.join()
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Tell the ranks to leave their loops and wait for them (killed past `timeout_s`)."""
@@ -126,7 +137,7 @@ def run_worker(rank: int, init_method: str, config: EngineConfig) -> None:
 
     logs.configure()
     size = config.model.tensor_parallel_size
-    device = rank_device(config.device, rank)
+    device = rank_device(config, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     config = dataclasses.replace(config, device=device)
@@ -134,6 +145,7 @@ def run_worker(rank: int, init_method: str, config: EngineConfig) -> None:
     init_tensor_parallel(size, rank, init_method)
     _watch_parent()
     try:
+        check_same_setup(config)
         model = load_rank_model(config, progress=False)
         config = agree_on_kv_blocks(model, config)
         runner = ModelRunner(

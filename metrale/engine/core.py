@@ -21,11 +21,11 @@ from collections.abc import Callable
 import torch
 
 from metrale.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
+from metrale.distributed.setup_check import check_same_setup
 from metrale.distributed.workers import (
     TensorParallelWorkers,
     agree_on_kv_blocks,
     load_rank_model,
-    rendezvous,
     share_cpu,
 )
 from metrale.engine.block_pool import BlockPool
@@ -74,11 +74,24 @@ class EngineCore:
         share_cpu(config)
         workers = None
         if (size := config.model.tensor_parallel_size) > 1:
-            init_method = rendezvous()
-            workers = TensorParallelWorkers.start(config, init_method)
+            init_method = config.launch.init_method(config.data_parallel_rank)
+            ranks = [r for r in config.launch.local_ranks(size) if r != 0]
+            workers = TensorParallelWorkers.start(config, init_method, ranks)
+            logger.info(
+                "tensor parallelism: %d ranks (%d on this node), %s",
+                size,
+                1 + len(ranks),
+                init_method,
+            )
             if config.device.type == "cuda":
                 torch.cuda.set_device(config.device)
             init_tensor_parallel(size, 0, init_method)
+            try:
+                check_same_setup(config)
+            except ValueError:
+                workers.kill()
+                destroy_tensor_parallel()
+                raise
             workers.watch(on_rank_death or _interrupt_main)
         model = load_rank_model(config, progress)
         config = agree_on_kv_blocks(model, config)

@@ -10,6 +10,7 @@ import torch
 from metrale.engine.allocator import preloaded_allocator
 from metrale.engine.core import EngineCore
 from metrale.engine.messages import CPUThreads, DeviceMemory, ForwardInfo, KVCacheStats
+from metrale.engine_args import EngineConfig
 
 # What runs each part of a decoder layer, by attention backend (see docs/architecture.md).
 _KERNELS = {
@@ -102,7 +103,7 @@ def forward_info(core: EngineCore) -> ForwardInfo:
         tensor_parallel_size=model.tensor_parallel_size,
         data_parallel_size=config.data_parallel_size,
         communication_backend=communication_backend(config.device, model.tensor_parallel_size),
-        rank_devices=[str(d) for d in rank_devices(config.device, model.tensor_parallel_size)],
+        rank_devices=rank_devices(config),
         num_heads_per_rank=model.num_heads_per_rank,
         num_kv_heads_per_rank=model.num_kv_heads_per_rank,
         quantization=_quantization(core),
@@ -117,10 +118,18 @@ def communication_backend(device: torch.device, tensor_parallel_size: int) -> st
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def rank_devices(device: torch.device, tensor_parallel_size: int) -> list[torch.device]:
+def rank_devices(config: EngineConfig) -> list[str]:
+    """Each rank's device: `node<n>:` before those of other nodes than this one."""
     from metrale.distributed.workers import rank_device
 
-    return [device] + [rank_device(device, r) for r in range(1, tensor_parallel_size)]
+    size = config.model.tensor_parallel_size
+    here = config.launch.local_ranks(size)
+    return [
+        str(rank_device(config, r))
+        if r in here
+        else f"node{r // len(here)}:{rank_device(config, r)}"
+        for r in range(size)
+    ]
 
 
 def cpu_threads(model: torch.nn.Module) -> CPUThreads:

@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import os
 import signal
+import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -20,6 +21,7 @@ from typing import Any
 import msgspec
 import uvicorn
 
+from metrale.distributed.launch import Launch
 from metrale.engine.messages import ForwardInfo
 from metrale.engine.stats import communication_backend, rank_devices
 from metrale.engine.watchdog import DEFAULT_MIN_REPEATS, MIN_SPAN
@@ -197,8 +199,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    engine_args = EngineArgs.from_cli(args)
+    launch = Launch.from_flags(
+        engine_args.nnodes, engine_args.node_rank, engine_args.master_addr, engine_args.master_port
+    )
+    if launch.node_rank > 0:
+        return _serve_node(engine_args)
     with asyncio.Runner(loop_factory=_event_loop_factory()) as runner:
         return runner.run(_serve(args))
+
+
+def _serve_node(engine_args: EngineArgs) -> int:
+    """A node past 0 (`--node-rank`): run this node's tensor-parallel ranks, which join node 0's
+    engine, until they exit (node 0's engine stopped or died); no API here."""
+    from metrale.distributed.workers import TensorParallelWorkers
+
+    config = engine_args.create_config()
+    launch, size = config.launch, config.model.tensor_parallel_size
+    ranks = list(launch.local_ranks(size))
+    logger.info(
+        "node %d of %d: tensor-parallel ranks %d-%d of %d, meeting node 0 at %s:%d; no API here",
+        launch.node_rank,
+        launch.nnodes,
+        ranks[0],
+        ranks[-1],
+        size,
+        launch.master_addr,
+        launch.master_port,
+    )
+    workers = TensorParallelWorkers.start(config, launch.init_method(), ranks)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        return workers.wait()
+    except (KeyboardInterrupt, SystemExit):
+        return 0
+    finally:
+        workers.kill()
 
 
 def _event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
@@ -337,7 +373,7 @@ async def _start_and_serve(
                 "tensor parallelism: world size %d, %s, devices %s (rank 0: the engine process)",
                 size,
                 communication_backend(config.device, size),
-                ", ".join(str(d) for d in rank_devices(config.device, size)),
+                ", ".join(rank_devices(config)),
             )
     with phase("preflight and weights", bus):
         shapes = model_cls.checkpoint_shapes(ModelConfig.from_dir(model_dir))
