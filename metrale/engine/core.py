@@ -68,31 +68,25 @@ class EngineCore:
         on_rank_death: Callable[[str], None] | None = None,
     ) -> EngineCore:
         """Build the engine: with tensor parallelism, start the other ranks first (they load
-        their slices while this process loads its own); a rank that dies later calls
-        `on_rank_death(reason)` (default: interrupt the main thread)."""
-        start = time.perf_counter()
+        their slices while this process loads its own); once the engine is built, a rank that
+        dies calls `on_rank_death(reason)` (default: interrupt the main thread)."""
         share_cpu(config)
-        workers = None
-        if (size := config.model.tensor_parallel_size) > 1:
-            init_method = config.launch.init_method(config.data_parallel_rank)
-            ranks = [r for r in config.launch.local_ranks(size) if r != 0]
-            workers = TensorParallelWorkers.start(config, init_method, ranks)
-            logger.info(
-                "tensor parallelism: %d ranks (%d on this node), %s",
-                size,
-                1 + len(ranks),
-                init_method,
-            )
-            if config.device.type == "cuda":
-                torch.cuda.set_device(config.device)
-            init_tensor_parallel(size, 0, init_method)
-            try:
-                check_same_setup(config)
-            except ValueError:
+        workers = start_ranks(config)
+        try:
+            core = cls._build(config, progress)
+        except BaseException:
+            if workers is not None:
                 workers.kill()
                 destroy_tensor_parallel()
-                raise
+            raise
+        if workers is not None:
             workers.watch(on_rank_death or _interrupt_main)
+        core.workers = workers
+        return core
+
+    @classmethod
+    def _build(cls, config: EngineConfig, progress: bool) -> EngineCore:
+        start = time.perf_counter()
         model = load_rank_model(config, progress)
         config = agree_on_kv_blocks(model, config)
         runner = ModelRunner(
@@ -126,9 +120,7 @@ class EngineCore:
             str(config.cache.dtype).removeprefix("torch."),
             "async" if config.async_scheduling else "sync",
         )
-        core = cls(config, runner, scheduler)
-        core.workers = workers
-        return core
+        return cls(config, runner, scheduler)
 
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks, if any, and leave their group."""
@@ -222,6 +214,29 @@ class EngineCore:
                     swap_s=result.swap_s,
                 )
             )
+
+
+def start_ranks(config: EngineConfig) -> TensorParallelWorkers | None:
+    """With tensor parallelism: this node's other ranks started, and this process joined to
+    them as rank 0, having checked they run the same checkpoint and flags; else None."""
+    if (size := config.model.tensor_parallel_size) == 1:
+        return None
+    init_method = config.launch.init_method(config.data_parallel_rank)
+    ranks = [r for r in config.launch.local_ranks(size) if r != 0]
+    workers = TensorParallelWorkers.start(config, init_method, ranks)
+    logger.info(
+        "tensor parallelism: %d ranks (%d on this node), %s", size, 1 + len(ranks), init_method
+    )
+    try:
+        if config.device.type == "cuda":
+            torch.cuda.set_device(config.device)
+        init_tensor_parallel(size, 0, init_method)
+        check_same_setup(config)
+    except BaseException:
+        workers.kill()
+        destroy_tensor_parallel()
+        raise
+    return workers
 
 
 def _interrupt_main(reason: str) -> None:

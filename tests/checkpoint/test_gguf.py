@@ -134,6 +134,20 @@ def test_greedy_matches_under_chunked_prefill_and_preemption(prompts, refs):
     check(outputs, refs, "smollm chunked and preempted")
 
 
+def test_three_tensor_parallel_ranks_give_the_same_tokens(prompts, refs):
+    """The file split over 3 CPU ranks (9 query heads, 3 KV heads: 3 and 1 a rank): each
+    rank dequantizes each tensor and keeps its slice; still transformers' tokens."""
+    llm = LLM(model_from_path=str(SMOLLM), dtype="float32", tensor_parallel_size=3)
+    try:
+        attention = llm.engine.runner.model.model.layers[0].self_attn
+        assert attention.attn.num_heads == 3 and attention.attn.num_kv_heads == 1
+        check(llm.generate(prompts, GREEDY, use_tqdm=False), refs, "smollm on 3 ranks")
+    finally:
+        llm.shutdown()
+    with pytest.raises(ValueError, match="do not split over tensor-parallel ranks"):
+        LLM(model_from_path=str(SMOLLM), quantization="gguf", tensor_parallel_size=3)
+
+
 # --- what resolution refuses ------------------------------------------------------------------
 
 
