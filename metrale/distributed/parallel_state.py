@@ -89,3 +89,18 @@ def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(size)]
     dist.all_gather(parts, x)
     return torch.cat(parts, dim=dim)
+
+
+def gather_to_first(x: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
+    """Every rank's `x` concatenated along `dim` on rank 0 (None on the others): what only
+    rank 0 reads, as the logits it samples from, crosses the links once, not to every rank."""
+    size = tp_size()
+    if size == 1:
+        return x
+    x = x.contiguous()
+    if tp_rank() != 0:
+        dist.gather(x, dst=0)
+        return None
+    parts = [torch.empty_like(x) for _ in range(size)]
+    dist.gather(x, parts, dst=0)
+    return torch.cat(parts, dim=dim)

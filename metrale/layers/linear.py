@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from metrale import envs
-from metrale.distributed.parallel_state import all_gather, all_reduce, tp_rank, tp_size
+from metrale.distributed.parallel_state import all_reduce, gather_to_first, tp_rank, tp_size
 from metrale.distributed.sharding import TensorSlice, vocab_slice
 from metrale.layers.packed_weight import PackedWeight
 
@@ -202,8 +202,9 @@ class RowParallelLinear(Linear):
 
 class ParallelLMHead(Linear):
     """The vocabulary split across ranks as `VocabParallelEmbedding` splits it (padded to a
-    multiple of the ranks): each rank computes its slice of the logits, all-gathered, the
-    padding cut off. The runner calls it only on the rows that sample."""
+    multiple of the ranks): each rank computes its slice of the logits, gathered on rank 0 (which
+    samples; the others get None), the padding cut off. The runner calls it only on the rows
+    that sample."""
 
     def __init__(self, hidden_size: int, vocab_size: int, fused: bool = False) -> None:
         rows, rows_per_rank = vocab_slice(vocab_size, tp_rank(), tp_size())
@@ -215,11 +216,11 @@ class ParallelLMHead(Linear):
     def checkpoint_slice(self, kind: str, shard: int) -> TensorSlice | None:
         return self.vocab_slice if self.split else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor | None:
         logits = Linear.forward(self, x)  # [num_rows, rows_per_rank]
         if not self.split:
             return logits
-        logits = all_gather(logits, dim=-1)  # [num_rows, padded vocab]
-        if logits.shape[-1] == self.vocab_size:
+        logits = gather_to_first(logits, dim=-1)  # [num_rows, padded vocab] on rank 0
+        if logits is None or logits.shape[-1] == self.vocab_size:
             return logits
         return logits[:, : self.vocab_size].contiguous()

@@ -195,7 +195,8 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states [num_tokens, hidden_size] of the step's flat batch."""
         return self.model(input_ids, positions, meta)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The logits at `hidden`'s rows; under tensor parallelism on rank 0 only (None past it)."""
         return self.lm_head(hidden)
 
     def attention_layers(self) -> list[Attention]:

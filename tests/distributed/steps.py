@@ -1,8 +1,9 @@
 """A model driven through a few steps with no runner, on one rank or on each of several.
 
 Two sequences share every step: a chunked prefill beside a whole one, then a chunk beside a
-decode, then decodes; greedy tokens feed back. Each step's logits at its chunks' last rows are
-kept, to compare a tensor-parallel run with a single-process one.
+decode, then decodes; greedy tokens feed back (rank 0's, broadcast). Each step's logits at its
+chunks' last rows are kept (on rank 0, where they are gathered), to compare a tensor-parallel
+run with a single-process one.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ SCHEDULE = ((12, 7), (9, 1), (1, 1), (1, 1), (1, 1), (1, 1))
 
 @dataclass
 class StepRecord:
-    logits: list[torch.Tensor]  # per step: [num_chunks, vocab_size], at each chunk's last row
+    logits: list[torch.Tensor | None]  # per step: [num_chunks, vocab_size] (rank 0; else None)
     token_ids: list[list[int]]  # per sequence: prompt then greedy tokens
     num_parameters: int
     kv_shape: tuple[int, ...]
@@ -60,11 +61,17 @@ def run_steps(model_dir: Path, tensor_parallel_size: int) -> StepRecord:
             order = sorted(range(len(step)), key=lambda s: step[s] != 1)
             chunks = [(s, num_computed[s], step[s]) for s in order]
             logits = _forward(model, chunks, token_ids, block_tables, config)
-            all_logits.append(logits)
+            all_logits.append(logits)  # (None past rank 0: the logits are gathered there)
+            # Rank 0 picks the tokens and tells the others, as the engine's step message does.
+            picked = torch.zeros(len(chunks), dtype=torch.int64)
+            if logits is not None:
+                picked = logits.argmax(dim=-1)
+            if tp_size() > 1:
+                torch.distributed.broadcast(picked, src=0)
             for row, (s, start, n) in enumerate(chunks):
                 num_computed[s] = start + n
                 if num_computed[s] == len(token_ids[s]):
-                    token_ids[s].append(int(logits[row].argmax()))
+                    token_ids[s].append(int(picked[row]))
     num_parameters = sum(t.numel() for t in model.state_dict().values())
     return StepRecord(all_logits, token_ids, num_parameters, tuple(kv.kv.shape))
 

@@ -20,11 +20,9 @@ from tests.server.conftest import MODEL_NAME, free_port, start_server, stop_serv
 
 
 def node_flags(port: int, rank: int) -> list[str]:
-    return ["--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", str(rank)] + [
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(port),
+    return [
+        *("--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", str(rank)),
+        *("--master-addr", "127.0.0.1", "--master-port", str(port)),
     ]
 
 
