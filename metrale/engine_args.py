@@ -406,13 +406,6 @@ class EngineArgs:
         device = _resolve_device(self.device)
         launch = Launch.from_flags(self.nnodes, self.node_rank, self.master_addr, self.master_port)
         _check_ranks(self.tensor_parallel_size, self.data_parallel_size, launch, device)
-        if self.quantization == "gguf" and self.tensor_parallel_size > 1:
-            raise ValueError(
-                "--quantization gguf keeps the weights packed, which do not split over "
-                f"tensor-parallel ranks yet (tensor_parallel_size={self.tensor_parallel_size}): "
-                "leave --quantization out (each rank then keeps its slices, dequantized) or use "
-                "--tensor-parallel-size 1"
-            )
         if self.quantization == "gguf":
             from metrale.runner.model_loader import weights_format
 

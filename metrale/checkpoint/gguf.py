@@ -20,7 +20,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,7 @@ from tqdm import tqdm
 from metrale import envs
 from metrale.checkpoint.weights import CheckpointError
 from metrale.config import ModelConfig
+from metrale.distributed.sharding import TensorSlice
 
 SUFFIX = ".gguf"
 MAGIC = b"GGUF"
@@ -250,29 +251,63 @@ def iter_tensors(
     device: torch.device,
     progress: bool = True,
     raw: frozenset[str] = frozenset(),
+    slice_of: Callable[[str], TensorSlice | None] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The checked tensors on `device` in Hugging Face's layout, dequantized to float32; those
-    named in `raw` as they are stored instead: uint8 [rows, bytes of a row's blocks]."""
+    named in `raw` as they are stored instead: uint8 [rows, bytes of a row's blocks].
+
+    With `slice_of` (tensor parallelism), each tensor's part this rank holds, read alone from
+    the mapped file where the part falls on the type's blocks (rows always do; a split of the
+    columns must be a whole number of blocks), else dequantized whole and then sliced."""
     from gguf.quants import dequantize
 
     permuted = config.model_type in PERMUTED
-    heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}
     bar = tqdm(total=len(tensors), desc="Loading GGUF", unit="tensor", disable=not progress)
     with bar:
         for name, tensor in tensors.items():
+            part = None if slice_of is None else slice_of(name)
+            data, whole_then_slice = tensor.data, None
+            if part is not None:
+                data = _stored_part(tensor.data, tensor.tensor_type, part)
+                if data is None:
+                    if name in raw:
+                        raise ValueError(
+                            f"{name} ({tensor.tensor_type.name}) splits over the "
+                            f"tensor-parallel ranks inside its quantized blocks: leave "
+                            f"--quantization out or choose another tensor-parallel size"
+                        )
+                    data, whole_then_slice = tensor.data, part
             if name in raw:
-                values = np.array(tensor.data, dtype=np.uint8)  # copied out of the mapped file
+                values = np.array(data, dtype=np.uint8)  # copied out of the mapped file
             else:
-                values = dequantize(tensor.data, tensor.tensor_type)
+                values = dequantize(data, tensor.tensor_type)
                 values = np.ascontiguousarray(values, np.float32)
                 if not values.flags.writeable:  # an F32 tensor is a view of the mapped file
                     values = values.copy()
             weight = torch.from_numpy(values)
+            if whole_then_slice is not None:
+                weight = whole_then_slice.of(weight).contiguous()
             projection = name.split(".")[-2]
-            if permuted and projection in heads:  # rows of blocks are rows of the weight
-                weight = _unpermute(weight, heads[projection])
+            if permuted and projection in ("q_proj", "k_proj"):  # block rows are weight rows
+                weight = _unpermute(weight, weight.shape[0] // config.head_dim)
             yield name, weight.to(device)
             bar.update()
+
+
+def _stored_part(data: np.ndarray, tensor_type: Any, part: TensorSlice) -> np.ndarray | None:
+    """A slice of a tensor as stored: its rows, or its columns' values or quantized blocks
+    (None: the columns split a block)."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    end = part.start + part.length
+    if part.dim == 0:
+        return data[part.start : end]
+    if tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+        return data[:, part.start : end]
+    block, size = GGML_QUANT_SIZES[tensor_type]
+    if part.start % block or part.length % block:
+        return None
+    return data[:, part.start // block * size : end // block * size]
 
 
 def _unpermute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:

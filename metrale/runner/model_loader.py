@@ -19,7 +19,6 @@ from metrale.checkpoint.weights import (
     sliced_shapes,
 )
 from metrale.config import ModelConfig
-from metrale.distributed.sharding import TensorSlice
 from metrale.kernels.quant_layout import FORMATS as PACKED_FORMATS
 from metrale.layers.linear import Linear, prepack_for_cpu
 from metrale.layers.packed_weight import PackedWeight
@@ -92,13 +91,6 @@ def load_model(
         raise ValueError(
             f"--quantization gguf keeps a GGUF file's weights packed; {model_dir} loads as {kind}"
         )
-    if quantization == "gguf" and config.tensor_parallel_size > 1:
-        raise ValueError(
-            f"--quantization gguf keeps the weights packed, which do not split over "
-            f"tensor-parallel ranks yet (tensor_parallel_size={config.tensor_parallel_size}): "
-            f"leave --quantization out (each rank then keeps its slices, dequantized) or use "
-            f"--tensor-parallel-size 1"
-        )
     checked = {} if kind == "dummy" else preflight_checkpoint(model_dir, kind, expected)
     with _default_dtype(dtype), torch.device(device):
         model = cls(config, fused_kernels=fused_kernels)
@@ -111,9 +103,7 @@ def load_model(
     elif kind == "gguf":
         types = gguf.tensor_types(checked)
         packed = pack_linears(model, types) if quantization == "gguf" else frozenset()
-        raw = gguf.iter_tensors(checked, config, device, progress, raw=packed)
-        if slice_of is not None:  # each tensor dequantized whole, then this rank's slice kept
-            raw = ((name, _sliced(t, slice_of(name))) for name, t in raw)
+        raw = gguf.iter_tensors(checked, config, device, progress, packed, slice_of)
         tensors = (
             (name, PackedWeight.from_ggml(types[name], t) if name in packed else t)
             for name, t in raw
@@ -124,10 +114,6 @@ def load_model(
     if device.type == "cpu":
         logger.debug("oneDNN: %d linear layers prepacked", prepack_for_cpu(model))
     return model.eval().requires_grad_(False)
-
-
-def _sliced(tensor: torch.Tensor, part: TensorSlice | None) -> torch.Tensor:
-    return tensor if part is None else part.of(tensor).contiguous()
 
 
 def pack_linears(model: nn.Module, types: dict[str, str]) -> frozenset[str]:

@@ -14,6 +14,7 @@ import json
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -134,18 +135,41 @@ def test_greedy_matches_under_chunked_prefill_and_preemption(prompts, refs):
     check(outputs, refs, "smollm chunked and preempted")
 
 
-def test_three_tensor_parallel_ranks_give_the_same_tokens(prompts, refs):
-    """The file split over 3 CPU ranks (9 query heads, 3 KV heads: 3 and 1 a rank): each
-    rank dequantizes each tensor and keeps its slice; still transformers' tokens."""
-    llm = LLM(model_from_path=str(SMOLLM), dtype="float32", tensor_parallel_size=3)
+@pytest.mark.parametrize("quantization", [None, "gguf"])
+def test_three_tensor_parallel_ranks_give_the_same_tokens(prompts, refs, quantization):
+    """The file split over 3 CPU ranks (9 query heads, 3 KV heads: 3 and 1 a rank), each rank
+    reading only its part of each tensor (the rows, or the columns' Q4_1 blocks), dequantized
+    or kept packed: still transformers' tokens."""
+    llm = LLM(
+        model_from_path=str(SMOLLM),
+        dtype="float32",
+        tensor_parallel_size=3,
+        quantization=quantization,
+    )
     try:
-        attention = llm.engine.runner.model.model.layers[0].self_attn
+        layer = llm.engine.runner.model.model.layers[0]
+        attention = layer.self_attn
         assert attention.attn.num_heads == 3 and attention.attn.num_kv_heads == 1
+        down = layer.mlp.down_proj
+        assert (down.out_features, down.in_features) == (576, 512)  # its third of the inputs
+        assert (down.packed is not None) == (quantization == "gguf")
         check(llm.generate(prompts, GREEDY, use_tqdm=False), refs, "smollm on 3 ranks")
     finally:
         llm.shutdown()
-    with pytest.raises(ValueError, match="do not split over tensor-parallel ranks"):
-        LLM(model_from_path=str(SMOLLM), quantization="gguf", tensor_parallel_size=3)
+
+
+def test_a_split_inside_quantized_blocks_is_refused_when_packed():
+    """Q4_1 packs 32 values a block: a column split that cuts blocks cannot stay packed."""
+    from gguf.constants import GGMLQuantizationType
+
+    from metrale.checkpoint.gguf import _stored_part
+    from metrale.distributed.sharding import TensorSlice
+
+    data = np.zeros((4, 3 * 20), dtype=np.uint8)  # 4 rows of 96 values: 3 blocks of 20 bytes
+    q41 = GGMLQuantizationType.Q4_1
+    assert _stored_part(data, q41, TensorSlice(1, 32, 64)).shape == (4, 40)
+    assert _stored_part(data, q41, TensorSlice(1, 16, 48)) is None
+    assert _stored_part(data, q41, TensorSlice(0, 1, 2)).shape == (2, 60)
 
 
 # --- what resolution refuses ------------------------------------------------------------------

@@ -1,0 +1,50 @@
+"""The CPU engine's decode step, for A/B runs of two packages: the offline engine on
+profile_cpu.py's 33.6M-parameter Llama (fp32, 128-token prompts, greedy), stepped by
+`EngineCore.step` in this process at 1 stream and at 16, `--rounds` times on one engine. Prints
+one JSON line: the median and 10th percentile of the decode steps' times per round (noise only
+adds time, so the low percentile resolves what the median does not).
+
+Which package runs is PYTHONPATH's choice; run the two alternately, round for round:
+
+    git worktree add bench/.baseline <commit>
+    for i in 1 2 3; do
+        PYTHONPATH=bench/.baseline python bench/cpu_step_ab.py --label before
+        PYTHONPATH=. python bench/cpu_step_ab.py --label after
+    done
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+from profile_cpu import ROOT, checkpoint, decode_steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--label", required=True)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    import metrale
+    from metrale import LLM
+
+    path = checkpoint(ROOT / ".cache" / "llama-34m")
+    llm = LLM(model_from_path=str(path), dtype="float32", enable_prefix_caching=False)
+    result: dict[str, object] = {"label": args.label, "package": str(Path(metrale.__file__).parent)}
+    for streams in (1, 16):
+        decode_steps(llm, streams, f"warm{streams}")
+        medians, lows = [], []
+        for r in range(args.rounds):
+            times = sorted(decode_steps(llm, streams, f"r{streams}-{r}"))
+            medians.append(1e3 * times[len(times) // 2])
+            lows.append(1e3 * times[len(times) // 10])
+        result[f"{streams}_stream_median_ms"] = statistics.median(medians)
+        result[f"{streams}_stream_p10_ms"] = statistics.median(lows)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
