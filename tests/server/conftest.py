@@ -90,6 +90,25 @@ def start_server(model_dir: Path, log_path: Path, *extra: str) -> RunningServer:
     raise AssertionError(f"met serve did not become healthy:\n{server.log()}")
 
 
+def kill_and_expect_a_red_health(server: RunningServer, pid: int, reason: str) -> None:
+    """SIGKILL `pid` (an engine process, a rank); within a second /health must be red,
+    naming `reason`, and a request must get a 503."""
+    import openai
+
+    killed_at = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    while httpx.get(server.base_url + "/health").status_code == 200:
+        assert time.monotonic() - killed_at < 1.0, "/health still green a second later"
+        time.sleep(0.02)
+    assert reason in httpx.get(server.base_url + "/health").json()["reason"]
+    client = openai.OpenAI(base_url=server.api_url, api_key="x", max_retries=0)
+    with pytest.raises(openai.InternalServerError) as refused:
+        client.chat.completions.create(
+            model=MODEL_NAME, max_tokens=2, messages=[{"role": "user", "content": "hi"}]
+        )
+    assert refused.value.status_code == 503
+
+
 def stop_server(server: RunningServer) -> int:
     if server.process.poll() is None:
         server.process.send_signal(signal.SIGTERM)
