@@ -129,14 +129,21 @@ class Request:
         """
         if self.num_pending_tokens == 0 or not self.is_host_decided:
             return False
-        params = self.sampling_params
-        if params.structured is not None:
-            return True
-        if self.speculates:  # it drafts again once its pause is over
-            return self.num_tokens + self.num_pending_tokens >= self.draft_resume_at
-        thinking = params.thinking
-        # Inside a block the pending tokens may spend the budget. Outside one they cannot: with
-        # the budget spent the scheduler bans opening another block.
+        return (
+            self.sampling_params.structured is not None or self.thinking_may_end or self.may_draft
+        )
+
+    @property
+    def may_draft(self) -> bool:
+        """A speculating request past its pause: it looks its drafts up in its tokens, so it
+        needs the pending ones."""
+        return self.speculates and self.num_tokens + self.num_pending_tokens >= self.draft_resume_at
+
+    @property
+    def thinking_may_end(self) -> bool:
+        """Its pending tokens may spend its thinking budget (or the watchdog closes the block).
+        Outside a block they cannot: with the budget spent the scheduler bans opening another."""
+        thinking = self.sampling_params.thinking
         return (
             thinking is not None
             and self.inside_thinking

@@ -100,8 +100,18 @@ class Scheduler:
         return outputs
 
     def needs_pending_tokens(self) -> bool:
-        """Whether the next step can only be scheduled once the steps in flight are back."""
-        return any(r.needs_pending_tokens for r in self._host_decided.values())
+        """Whether the next step can only be scheduled once the steps in flight are back: a
+        request is decided on the host from its tokens so far (a grammar, a thinking budget
+        about to run out, drafts that would pay at this batch size)."""
+        return any(self._waits(r) for r in self._host_decided.values())
+
+    def _waits(self, request: Request) -> bool:
+        if not request.needs_pending_tokens:
+            return False
+        if request.sampling_params.structured is not None or request.thinking_may_end:
+            return True
+        assert self.speculator is not None  # it would wait only to draft
+        return self.speculator.pays(request, len(self.running))
 
     def abort_request(self, request_id: str) -> EngineOutput | None:
         """End a request wherever it is; its blocks are free before the next step."""

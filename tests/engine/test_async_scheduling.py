@@ -201,3 +201,43 @@ def test_a_speculating_request_that_finds_no_drafts_stops_waiting(configs):
     waited = [PENDING_TOKEN_ID not in c.token_ids for c in chunks[1:]]  # past the prefill
     assert all(waited[:ATTEMPTS]) and not all(waited)
     assert req.draft_resume_at > 0 and speculator.stats.num_drafts == 0
+
+
+def test_a_request_whose_drafts_would_not_pay_never_waits(configs):
+    """Priced out at this batch size (the cost model's bar above its acceptance), a speculating
+    request decodes with its token pending from the start: drafts are not looked up, so there
+    is nothing to wait for."""
+    from metrale.engine.speculation.config import SpeculativeConfig
+    from metrale.engine.speculation.cost_model import VerifyCosts
+    from metrale.engine.speculation.speculator import NgramSpeculator
+
+    dear = VerifyCosts(4, (1,), (0.010,), (0.040,))  # a draft must bring 0.75 tokens
+    speculator = NgramSpeculator(SpeculativeConfig(), async_scheduling=True, costs=dear)
+    runner = FakeRunner()
+    core = engine(configs["async"], runner, speculator=speculator)
+    req = request("spec", prompt_len=4, max_tokens=30)
+    core.scheduler.add_request(req)
+    outputs, _ = run(core)
+    assert outputs["spec"] == expected_tokens(req, 30)
+    chunks = [c for s in runner.steps for c in s.chunks]
+    assert all(PENDING_TOKEN_ID in c.token_ids for c in chunks[1:])  # never waited
+    assert speculator.num_priced_out == 0  # (never even looked: it had no tokens to look in)
+
+
+def test_a_paused_speculating_request_still_waits_where_its_thinking_budget_may_end(configs):
+    """Drafting paused, a thinking request still waits for its pending tokens when they may
+    spend its budget: the close it forces is decided from them."""
+    from metrale.engine.speculation.config import SpeculativeConfig
+    from metrale.engine.speculation.speculator import NgramSpeculator
+
+    speculator = NgramSpeculator(SpeculativeConfig(), async_scheduling=True)
+    runner = FakeRunner()
+    core = engine(configs["async"], runner, speculator=speculator)
+    budget = ThinkingBudget(5, start_token_id=3, end_token_id=4, starts_inside=True)
+    req = request("think", prompt_len=4, max_tokens=12, thinking=budget)
+    req.draft_resume_at = 10**6  # paused for good
+    core.scheduler.add_request(req)
+    run(core)
+    chunks = [c for s in runner.steps for c in s.chunks]  # chunk i samples output token i
+    assert [c.forced_token_id for c in chunks][:6] == [None] * 5 + [4]  # closed on time
+    assert PENDING_TOKEN_ID not in chunks[5].token_ids  # (it waited for the 5th)

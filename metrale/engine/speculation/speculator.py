@@ -104,7 +104,7 @@ class NgramSpeculator:
         if state is None:
             state = _Drafting(NgramIndex(self.config.ngram_min, self.config.ngram_max))
             self._requests[request.request_id] = state
-        if self.costs is not None and state.acceptance < self.costs.min_acceptance(num_seqs):
+        if not self.pays(request, num_seqs):
             self.num_priced_out += 1
             return []
         index = state.index
@@ -116,6 +116,16 @@ class NgramSpeculator:
         if not drafts and self.async_scheduling:
             self._attempted(request, state, 0)
         return drafts
+
+    def pays(self, request: Request, num_seqs: int) -> bool:
+        """Whether the request's drafts would pay in a step of about `num_seqs` decodes, by
+        its acceptance so far (the prior before any check). Its tokens do not enter into it,
+        so a request priced out never makes async scheduling wait for its pending tokens."""
+        if self.costs is None:
+            return True
+        state = self._requests.get(request.request_id)
+        acceptance = PRIOR if state is None else state.acceptance
+        return acceptance >= self.costs.min_acceptance(num_seqs)
 
     def record(self, request: Request, num_drafted: int, num_accepted: int) -> None:
         """A step checked `num_drafted` drafts of the request and kept `num_accepted`."""
