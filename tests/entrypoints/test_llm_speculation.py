@@ -217,6 +217,40 @@ def test_the_engine_measures_where_drafts_pay_and_outputs_stay_the_same(case):
     assert all(costs.min_acceptance(b) >= 0 for b in costs.batch_sizes)
 
 
+@pytest.mark.parametrize("scheduling", ["sync", "async"])
+def test_stop_strings_cut_where_they_cut_without_drafts(tmp_path, scheduling):
+    """Accepted drafts bring several tokens a step; a stop string inside them ends the text
+    exactly where it ends one token at a time (the stop not included), and so does a stop
+    token id among them. The prompt holds the reply, so drafts come from it from the start."""
+    scripted = build_scripted_checkpoint(tmp_path, {KEYWORD: REPLY})
+    tokenizer = Tokenizer.from_dir(scripted.path)
+    message = {"role": "user", "content": f"Say it{KEYWORD}: {REPLY}"}
+    prompt = tokenizer.encode(tokenizer.apply_chat_template([message]), add_special_tokens=False)
+    reply = list(scripted.replies[KEYWORD].token_ids)
+    # a token first seen well into the reply: a stop id the drafts bring
+    stop_id = next(t for i, t in enumerate(reply) if i >= 6 and t not in reply[:i])
+    by_string = SamplingParams(temperature=0.0, max_tokens=len(reply), stop=["then the disk"])
+    by_token = SamplingParams(temperature=0.0, max_tokens=len(reply), stop_token_ids=[stop_id])
+    outs = []
+    for spec in (None, "ngram"):
+        engine = {} if spec is None else {"speculative_config": spec}
+        llm = LLM(
+            model_from_path=str(scripted.path),
+            dtype="float32",
+            scheduler_config=scheduling,
+            **engine,
+            **({"speculation_cost_model": False} if spec else {}),
+        )
+        outs.append([o.outputs[0] for o in llm.generate([prompt, prompt], [by_string, by_token])])
+        if spec:
+            assert llm.engine.scheduler.speculator.stats.num_accepted_tokens >= 6
+    (plain_string, plain_token), (spec_string, spec_token) = outs
+    assert spec_string.text == plain_string.text == "Check the cache, "
+    assert spec_string.finish_reason == plain_string.finish_reason == "stop"
+    assert spec_token.token_ids == plain_token.token_ids and spec_token.token_ids[-1] == stop_id
+    assert spec_token.finish_reason == "stop"
+
+
 def test_bad_speculative_settings_are_refused(case):
     model_dir, _ = case
     with pytest.raises(ValueError, match="ngram_min"):
