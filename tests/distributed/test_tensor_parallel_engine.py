@@ -74,8 +74,15 @@ def assert_same_outputs(ours, reference, params):
             preemption_mode="swap",
         ),
         dict(scheduler_config="async", num_kv_blocks=12, preemption_mode="recompute"),
+        # drafts checked in one forward across the ranks, the rejected ones' KV overwritten
+        dict(
+            scheduler_config="async",
+            speculative_config="ngram",
+            ngram_min=1,
+            speculation_cost_model=False,
+        ),
     ],
-    ids=["sync", "async-swap-chunked", "async-recompute"],
+    ids=["sync", "async-swap-chunked", "async-recompute", "async-speculation"],
 )
 def test_two_ranks_give_the_single_process_tokens(case, engine):
     model_dir, prompts, params, reference = case
@@ -89,6 +96,8 @@ def test_two_ranks_give_the_single_process_tokens(case, engine):
         scheduler = llm.engine.scheduler
         if "num_kv_blocks" in engine:
             assert scheduler.num_preemptions > 0
+        if "speculative_config" in engine:
+            assert scheduler.speculator.stats.num_draft_tokens > 0
         assert scheduler.kv_cache.pool.num_free_blocks == scheduler.kv_cache.pool.num_blocks
         workers = llm.engine.workers.processes
         assert [p.is_alive() for p in workers] == [True]
