@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from metrale.layers.attention import StepBatch
+from metrale.runner.input_buffers import to_device
 
 STOP, STEP = 0, 1
 # kind, num_tokens, num_seqs, max_blocks, max_query_len, num_decode_seqs, num_samples,
@@ -72,12 +73,13 @@ def send_step(
             batch.slot_mapping,
             batch.block_tables.reshape(-1),
             batch.seq_lens,
-            torch.as_tensor(host, dtype=torch.int64).to(device, non_blocking=True),
+            to_device(host, torch.int64, device),
             logits_indices,
         ]
     swaps = np.asarray([*swap_out, *swap_in], dtype=np.int64).reshape(-1)
-    parts.append(torch.as_tensor(swaps).to(device, non_blocking=True))
-    _broadcast(torch.tensor(header, dtype=torch.int64, device=device))
+    parts.append(to_device(swaps, torch.int64, device))
+    # (staged through pinned memory: a copy from pageable memory would wait for the stream)
+    _broadcast(to_device(header, torch.int64, device))
     _broadcast(torch.cat([p.to(torch.int64) for p in parts]))
 
 

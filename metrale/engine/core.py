@@ -71,6 +71,8 @@ class EngineCore:
         their slices while this process loads its own); once the engine is built, a rank that
         dies calls `on_rank_death(reason)` (default: interrupt the main thread)."""
         share_cpu(config)
+        if config.device.type == "cuda":  # its own GPU (a data-parallel core's, rank 0's)
+            torch.cuda.set_device(config.device)
         workers = start_ranks(config)
         try:
             core = cls._build(config, progress)
@@ -228,8 +230,6 @@ def start_ranks(config: EngineConfig) -> TensorParallelWorkers | None:
         "tensor parallelism: %d ranks (%d on this node), %s", size, 1 + len(ranks), init_method
     )
     try:
-        if config.device.type == "cuda":
-            torch.cuda.set_device(config.device)
         init_tensor_parallel(size, 0, init_method)
         check_same_setup(config)
     except BaseException:
