@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -47,11 +48,20 @@ _FUSED_SHARDS = {
 }
 
 
+class AttentionBiases(NamedTuple):
+    """Which of a layer's attention projections carry a bias."""
+
+    qkv: bool
+    o: bool
+
+
 class DecoderAttention(nn.Module):
     """This rank's query heads and the KV heads they read (all of them on one rank): q/k/v
     column-parallel, o row-parallel, so attention itself needs no collective."""
 
-    def __init__(self, config: ModelConfig, *, qkv_bias: bool, qk_norm: bool, fused: bool) -> None:
+    def __init__(
+        self, config: ModelConfig, *, biases: AttentionBiases, qk_norm: bool, fused: bool
+    ) -> None:
         super().__init__()
         self.q_size, self.kv_size = config.q_size_per_rank, config.kv_size_per_rank
         self.head_dim = head_dim = config.head_dim
@@ -63,9 +73,9 @@ class DecoderAttention(nn.Module):
             "num_key_value_heads", config.num_kv_heads, head_dim, rank, size, replicable=True
         )
         self.qkv_proj = ColumnParallelLinear(
-            config.hidden_size, [q_rows, kv_rows, kv_rows], bias=qkv_bias, fused=fused
+            config.hidden_size, [q_rows, kv_rows, kv_rows], bias=biases.qkv, fused=fused
         )
-        self.o_proj = RowParallelLinear(q_rows, config.hidden_size, bias=False, fused=fused)
+        self.o_proj = RowParallelLinear(q_rows, config.hidden_size, bias=biases.o, fused=fused)
         eps = config.rms_norm_eps
         self.q_norm = RMSNorm(head_dim, eps, fused) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, eps, fused) if qk_norm else None
@@ -107,11 +117,13 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, *, qkv_bias: bool, qk_norm: bool, fused: bool) -> None:
+    def __init__(
+        self, config: ModelConfig, *, biases: AttentionBiases, qk_norm: bool, fused: bool
+    ) -> None:
         super().__init__()
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps, fused)
-        self.self_attn = DecoderAttention(config, qkv_bias=qkv_bias, qk_norm=qk_norm, fused=fused)
+        self.self_attn = DecoderAttention(config, biases=biases, qk_norm=qk_norm, fused=fused)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, fused)
         self.mlp = DecoderMLP(config, fused)
 
@@ -129,14 +141,16 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: ModelConfig, *, qkv_bias: bool, qk_norm: bool, fused: bool) -> None:
+    def __init__(
+        self, config: ModelConfig, *, biases: AttentionBiases, qk_norm: bool, fused: bool
+    ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.rotary = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope, fused
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(config, qkv_bias=qkv_bias, qk_norm=qk_norm, fused=fused)
+            DecoderLayer(config, biases=biases, qk_norm=qk_norm, fused=fused)
             for _ in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
@@ -152,7 +166,7 @@ class DecoderModel(nn.Module):
         return self.norm(x, residual)[0]
 
 
-@register_model("LlamaForCausalLM", "MistralForCausalLM")
+@register_model("LlamaForCausalLM")
 class LlamaForCausalLM(nn.Module):
     """Llama 2/3 and Mistral; the base of the family.
 
@@ -161,6 +175,7 @@ class LlamaForCausalLM(nn.Module):
     """
 
     qkv_bias_always = False
+    attention_bias_on: tuple[str, ...] = ("qkv", "o")  # what `attention_bias` puts a bias on
     qk_norm = False
 
     def __init__(self, config: ModelConfig, fused_kernels: bool = False) -> None:
@@ -175,7 +190,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.fused_kernels = fused_kernels
         self.model = DecoderModel(
-            config, qkv_bias=self.has_qkv_bias(config), qk_norm=self.qk_norm, fused=fused_kernels
+            config, biases=self.biases(config), qk_norm=self.qk_norm, fused=fused_kernels
         )
         tied = config.tie_word_embeddings
         # Tied: the head's weight is the embedding's (one parameter, model.embed_tokens.weight),
@@ -186,8 +201,14 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @classmethod
-    def has_qkv_bias(cls, config: ModelConfig) -> bool:
-        return cls.qkv_bias_always or config.attention_bias
+    def biases(cls, config: ModelConfig) -> AttentionBiases:
+        """Which attention projections carry a bias: q/k/v always (Qwen2), and those the
+        family ties to `attention_bias` (Llama and Qwen3: q/k/v and o; Mistral: none)."""
+        on = config.attention_bias
+        return AttentionBiases(
+            qkv=cls.qkv_bias_always or (on and "qkv" in cls.attention_bias_on),
+            o=on and "o" in cls.attention_bias_on,
+        )
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
@@ -212,11 +233,14 @@ class LlamaForCausalLM(nn.Module):
             shapes[p + "self_attn.q_proj.weight"] = (config.q_size, h)
             shapes[p + "self_attn.k_proj.weight"] = (config.kv_size, h)
             shapes[p + "self_attn.v_proj.weight"] = (config.kv_size, h)
-            if cls.has_qkv_bias(config):
+            biases = cls.biases(config)
+            if biases.qkv:
                 shapes[p + "self_attn.q_proj.bias"] = (config.q_size,)
                 shapes[p + "self_attn.k_proj.bias"] = (config.kv_size,)
                 shapes[p + "self_attn.v_proj.bias"] = (config.kv_size,)
             shapes[p + "self_attn.o_proj.weight"] = (h, config.q_size)
+            if biases.o:
+                shapes[p + "self_attn.o_proj.bias"] = (h,)
             if cls.qk_norm:
                 shapes[p + "self_attn.q_norm.weight"] = (config.head_dim,)
                 shapes[p + "self_attn.k_norm.weight"] = (config.head_dim,)
@@ -275,9 +299,15 @@ class LlamaForCausalLM(nn.Module):
                 param.copy_(tensor)
 
 
+@register_model("MistralForCausalLM")
+class MistralForCausalLM(LlamaForCausalLM):
+    attention_bias_on = ()  # transformers' Mistral has no attention biases at all
+
+
 @register_model("Qwen2ForCausalLM")
 class Qwen2ForCausalLM(LlamaForCausalLM):
     qkv_bias_always = True
+    attention_bias_on = ()  # q/k/v always; o never
 
 
 @register_model("Qwen3ForCausalLM")

@@ -256,3 +256,16 @@ def test_bfloat16_stays_close(tmp_path):
         assert completion.token_ids[0] == ref.token_ids[0]
         token = ref.token_ids[0]
         assert abs(completion.logprobs[0][token].logprob - float(ref.logprobs[0][token])) < 0.1
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_attention_bias_reaches_every_projection(arch, tmp_path):
+    """`attention_bias`: Llama and Qwen3 bias q, k, v and o (Qwen2 biases q, k, v only);
+    each bias is loaded and added once, at every tensor-parallel size's one-rank layout."""
+    model_dir = build_checkpoint(tmp_path, arch, attention_bias=True)
+    prompts = prompts_of((9, 35))
+    refs = hf_greedy(model_dir, prompts, MAX_NEW_TOKENS)
+    llm = LLM(model_from_path=str(model_dir), dtype="float32")
+    attention = llm.engine.runner.model.model.layers[0].self_attn
+    assert attention.qkv_proj.bias is not None and attention.o_proj.bias is not None
+    check(llm.generate(prompts, GREEDY, use_tqdm=False), refs, f"{arch} attention_bias")
