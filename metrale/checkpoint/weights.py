@@ -8,6 +8,7 @@ checkpoint fails in milliseconds with one message naming the file, not minutes i
 from __future__ import annotations
 
 import json
+import logging
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -19,6 +20,8 @@ from tqdm import tqdm
 
 from metrale.config import MAX_NUM_PARAMETERS
 from metrale.distributed.sharding import TensorSlice
+
+logger = logging.getLogger(__name__)
 
 FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
@@ -107,7 +110,25 @@ def preflight(model_dir: Path, expected: dict[str, tuple[int, ...]]) -> dict[str
             f"the weights and config.json come from different models, or a download is "
             f"incomplete"
         )
+    unused = sorted(name for name in found if name not in expected and not _derived(name))
+    if unused:  # the model would run without them: say so, they may be weights it lacks
+        logger.warning(
+            "checkpoint %s holds %d tensor(s) the model does not load, which it runs without: %s%s",
+            model_dir,
+            len(unused),
+            ", ".join(unused[:5]),
+            " ..." if len(unused) > 5 else "",
+        )
     return {name: found[name] for name in expected}
+
+
+# Tensors some checkpoints carry that the model recomputes or shares: never a lost weight.
+DERIVED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+def _derived(name: str) -> bool:
+    # (a tied head's copy of the embedding: the model reads the embedding)
+    return name.endswith(DERIVED_SUFFIXES) or name == "lm_head.weight"
 
 
 def iter_checkpoint_tensors(

@@ -129,6 +129,20 @@ def test_extra_tensors_in_the_checkpoint_are_ignored(llama_dir: Path, ckpt: Path
     assert set(preflight(ckpt, expected)) == set(expected)
 
 
+def test_a_tensor_the_model_would_not_load_is_named(ckpt: Path, caplog):
+    """A weight the model has no place for (a bias its config does not announce) would be
+    silently dropped: the load says which."""
+
+    def add_bias(tensors: dict[str, torch.Tensor]) -> None:
+        tensors["model.layers.1.self_attn.o_proj.bias"] = torch.ones(64)
+
+    rewrite_tensors(ckpt / "model.safetensors", add_bias)
+    with caplog.at_level("WARNING", logger="metrale.checkpoint.weights"):
+        preflight(ckpt, expected_shapes(ckpt))
+    assert "model.layers.1.self_attn.o_proj.bias" in caplog.text
+    assert "does not load" in caplog.text
+
+
 # --- preflight errors -----------------------------------------------------------------------------
 
 
