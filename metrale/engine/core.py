@@ -71,7 +71,7 @@ class EngineCore:
         their slices while this process loads its own); once the engine is built, a rank that
         dies calls `on_rank_death(reason)` (default: interrupt the main thread)."""
         share_cpu(config)
-        if config.device.type == "cuda":  # its own GPU (a data-parallel core's, rank 0's)
+        if config.device.index is not None:  # its own GPU (a data-parallel core's, rank 0's)
             torch.cuda.set_device(config.device)
         workers = start_ranks(config)
         try:
