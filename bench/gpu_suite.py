@@ -23,6 +23,7 @@ import gc
 import json
 import os
 import platform
+import statistics
 import subprocess
 import tempfile
 import time
@@ -538,7 +539,7 @@ def b2_workload(**knobs) -> tuple[list[list[int]], list[int], list[SamplingParam
     return prompts, lens_out, params
 
 
-def b2_engine(config: dict) -> EngineCore:
+def b2_engine(config: dict, **kwargs) -> EngineCore:
     """B2's engine: 256 sequences at once, 8k-token prefill chunks."""
     return engine(
         config,
@@ -546,6 +547,7 @@ def b2_engine(config: dict) -> EngineCore:
         max_num_seqs=256,
         max_prefill_tokens=8192,
         gpu_memory_utilization=0.85,
+        **kwargs,
     )
 
 
@@ -596,6 +598,35 @@ def b2(results: dict, models: tuple[str, ...] = tuple(B2_MODELS)) -> None:
         print(f"B2 {name}: {tokens / seconds:.0f} output tok/s ({tokens} in {seconds:.1f} s)")
         release(core)
         add_hf_reference(results[f"b2_{name}"], config, prompts, lens_out)
+
+
+def b2_spec(results: dict) -> None:
+    """B2 (Llama-3.1-8B shape) without and with `--speculative-config ngram` (cost model on),
+    alternating twice in one call: random weights never repeat, so drafts never pay; what
+    speculation costs a large batch it cannot help."""
+    variants = {"plain": {}, "ngram": {"speculative_config": "ngram"}}
+    prompts, _, params = b2_workload()
+    rates: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(2):
+        for name, flags in variants.items():
+            core = b2_engine(LLAMA_8B, **flags)
+            run(core, prompts[:4], [SamplingParams(max_tokens=8)] * 4)
+            seconds, tokens = run(core, prompts, params)
+            rates[name].append(tokens / seconds)
+            speculator = core.scheduler.speculator
+            if speculator is not None:
+                results.setdefault("b2_spec_drafts", []).append(
+                    {
+                        "draft_tokens": speculator.stats.num_draft_tokens,
+                        "accepted_tokens": speculator.stats.num_accepted_tokens,
+                        "priced_out": speculator.num_priced_out,
+                    }
+                )
+            print(f"B2 spec {name}: {tokens / seconds:.0f} output tok/s")
+            release(core)
+    plain, ngram = (statistics.median(rates[n]) for n in variants)
+    results["b2_spec"] = {"runs": rates, "plain": plain, "ngram": ngram, "ratio": ngram / plain}
+    print(f"B2 spec: plain {plain:.0f}, ngram {ngram:.0f} tok/s ({ngram / plain:.3f}x)")
 
 
 def b3_engine_and_prompts(**kwargs) -> tuple[EngineCore, list[list[int]]]:
@@ -745,6 +776,7 @@ def main() -> None:
             "b1_spec",
             "b2",
             "b2_knobs",
+            "b2_spec",
             "b3",
             "b3_swap",
             "b5",

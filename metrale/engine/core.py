@@ -100,6 +100,9 @@ class EngineCore:
             attention_backend=config.attention_backend,
             max_cuda_graph_batch=config.max_cuda_graph_batch,
             time_steps=config.log_stats,
+            num_speculative_tokens=(
+                0 if config.speculative is None else config.speculative.num_speculative_tokens
+            ),
             structured_outputs=StructuredOutputs(
                 config.model_dir, config.model.vocab_size, config.eos_token_ids
             ),

@@ -480,7 +480,10 @@ def _prefill_work(chunks: list[ScheduledChunk]) -> tuple[int, float]:
 def _one_token_chunks_first(
     chunks: list[ScheduledChunk], requests: list[Request]
 ) -> tuple[list[ScheduledChunk], list[Request]]:
-    """Reorder a mixed step so its one-token chunks (decodes) lead, each kind in its order:
-    attention runs them as one decode batch, with a kernel made for a query row per sequence."""
-    order = sorted(range(len(chunks)), key=lambda i: chunks[i].num_tokens > 1)
+    """Reorder a mixed step so its decodes (with their drafts, if any) lead, each kind in its
+    order: attention runs them as one decode batch, with a kernel made for a query row per
+    sequence (a decode with drafts is laid out as a sequence per row)."""
+    order = sorted(
+        range(len(chunks)), key=lambda i: chunks[i].num_tokens > 1 + len(chunks[i].draft_token_ids)
+    )
     return [chunks[i] for i in order], [requests[i] for i in order]

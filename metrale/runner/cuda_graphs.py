@@ -3,9 +3,11 @@
 A decode step (every request computes one token) launches hundreds of small kernels; replaying
 them from a graph removes the launch gaps between them. One graph is captured per padded batch
 size (1, 2, 4, 8, then multiples of 8 up to `--max-cuda-graph-batch`), largest first so that
-all share one memory pool. The graphs read the runner's persistent input buffers, whose
-addresses never change: a replay is "fill the buffers, replay". Rows past the real batch are
-padding that stores nothing (slot -1) and attends to one token of block 0.
+all share one memory pool. A speculative verify is a decode of several rows (the runner lays a
+decode with K drafts out as K + 1 one-row sequences), so it replays the graph of its row count.
+The graphs read the runner's persistent input buffers, whose addresses never change: a replay
+is "fill the buffers, replay". Rows past the real batch are padding that stores nothing (slot
+-1) and attends to one token of block 0.
 """
 
 from __future__ import annotations
@@ -52,11 +54,16 @@ class DecodeGraphs:
         self._pool = None
 
     def graph_for(self, chunks: list[ScheduledChunk]) -> DecodeGraph | None:
-        """The graph that runs this step, if it is a decode step small enough for one."""
-        num_seqs = len(chunks)
-        if num_seqs > self.sizes[-1] or any(c.num_tokens != 1 or not c.samples for c in chunks):
+        """The graph that runs this step, if it is a decode step (drafts included) small enough
+        for one."""
+        num_rows = 0
+        for c in chunks:
+            if not c.samples or c.num_tokens != 1 + len(c.draft_token_ids):
+                return None
+            num_rows += c.num_tokens
+        if num_rows > self.sizes[-1]:
             return None
-        return self.graphs[next(s for s in self.sizes if s >= num_seqs)]
+        return self.graphs[next(s for s in self.sizes if s >= num_rows)]
 
     @torch.inference_mode()
     def capture(self) -> None:

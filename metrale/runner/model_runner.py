@@ -66,6 +66,7 @@ class ModelRunner:
         max_cuda_graph_batch: int = 0,
         structured_outputs: StructuredOutputs | None = None,
         time_steps: bool = True,
+        num_speculative_tokens: int = 0,
     ) -> None:
         self.model = model
         # Each step's device time (two timing events on a GPU, a clock on a CPU), for the
@@ -76,9 +77,12 @@ class ModelRunner:
         self.device = device
         self.kv_cache = PagedKVCache(model, model_config, cache_config, device)
         max_blocks_per_seq = -(-scheduler_config.max_seq_len // self.block_size)
+        max_tokens = scheduler_config.max_num_batched_tokens
+        # Attention sequences a step may lay out: a decode with drafts is one per row.
+        max_seqs = scheduler_config.max_batch_size * (1 + num_speculative_tokens)
         self.buffers = InputBuffers(
-            scheduler_config.max_num_batched_tokens,
-            scheduler_config.max_batch_size,
+            max_tokens,
+            max(scheduler_config.max_batch_size, min(max_seqs, max_tokens)),
             max_blocks_per_seq,
             device,
         )
@@ -213,28 +217,31 @@ class ModelRunner:
     def _fill_inputs(self, chunks: list[ScheduledChunk], padded_num_seqs: int = 0) -> StepBatch:
         """Lay the chunks end to end in the input buffers; copy them to the device.
 
-        With `padded_num_seqs` (a CUDA-graph batch of one token per sequence), rows past the
-        real ones are padding: they store nothing and attend to one token of block 0. A
-        pending token is taken from the previous step's samples once the ids are on the device.
+        Attention sees sequences of query rows: a chunk is one, except a decode with drafts,
+        whose rows become one-row sequences of the same blocks, each seeing the context up to
+        its own position (a causal verify through the decode path, as a CUDA graph of one-row
+        sequences replays it). With `padded_num_seqs` (a CUDA-graph batch of one-row sequences),
+        sequences past the real ones are padding: they store nothing and attend to one token of
+        block 0. A pending token is taken from the previous step's samples once the ids are on
+        the device.
         """
         if self._inputs_copied is not None:
             self._inputs_copied.synchronize()  # the previous step's copies have read the buffers
         b = self.buffers
         bs = self.block_size
         num_tokens = 0
-        num_seqs = len(chunks)
+        seq = 0  # attention sequences laid out so far
         max_blocks = 0
         max_query_len = 0
         num_decode_seqs = 0
         num_samples = 0
         num_pending = 0
         b.query_start_loc.np[0] = 0
-        for i, chunk in enumerate(chunks):
+        for chunk in chunks:
             n = chunk.num_tokens
             end = num_tokens + n
             start = chunk.start_pos
             block_ids = chunk.block_ids
-            b.block_tables.np[i, : len(block_ids)] = block_ids
             if chunk.token_ids[-1] == PENDING_TOKEN_ID:
                 b.pending_dst.np[num_pending] = end - 1
                 if num_pending == 0:  # only async steps have any: index the last step once
@@ -242,19 +249,40 @@ class ModelRunner:
                 b.pending_src.np[num_pending] = rows[chunk.request_id]
                 num_pending += 1
             if n == 1:  # decode: scalar writes, no temporary arrays (most rows of big batches)
-                if num_decode_seqs == i:  # the leading run of one-row sequences goes on
+                if num_decode_seqs == seq:  # the leading run of one-row sequences goes on
                     num_decode_seqs += 1
+                b.block_tables.np[seq, : len(block_ids)] = block_ids
                 b.input_ids.np[num_tokens] = chunk.token_ids[0]
                 b.positions.np[num_tokens] = start
                 b.slot_mapping.np[num_tokens] = block_ids[start // bs] * bs + start % bs
+                b.start_positions.np[seq] = start
+                b.seq_lens.np[seq] = start + 1
+                b.query_start_loc.np[seq + 1] = end
+                seq += 1
+                max_query_len = max(max_query_len, 1)
             else:
                 pos = np.arange(start, start + n)
                 b.input_ids.np[num_tokens:end] = chunk.token_ids
                 b.positions.np[num_tokens:end] = pos
-                b.slot_mapping.np[num_tokens:end] = b.block_tables.np[i, pos // bs] * bs + pos % bs
-            b.start_positions.np[i] = chunk.start_pos
-            b.seq_lens.np[i] = chunk.start_pos + n
-            b.query_start_loc.np[i + 1] = end
+                b.block_tables.np[seq, : len(block_ids)] = block_ids
+                b.slot_mapping.np[num_tokens:end] = (
+                    b.block_tables.np[seq, pos // bs] * bs + pos % bs
+                )
+                if len(chunk.draft_token_ids) == n - 1:  # a verify: n one-row sequences
+                    if num_decode_seqs == seq:
+                        num_decode_seqs += n
+                    b.block_tables.np[seq + 1 : seq + n, : len(block_ids)] = block_ids
+                    b.start_positions.np[seq : seq + n] = pos
+                    b.seq_lens.np[seq : seq + n] = pos + 1
+                    b.query_start_loc.np[seq + 1 : seq + n + 1] = np.arange(num_tokens, end) + 1
+                    seq += n
+                    max_query_len = max(max_query_len, 1)
+                else:
+                    b.start_positions.np[seq] = start
+                    b.seq_lens.np[seq] = start + n
+                    b.query_start_loc.np[seq + 1] = end
+                    seq += 1
+                    max_query_len = max(max_query_len, n)
             if chunk.draft_token_ids:  # the logits at its last token and at each draft
                 num_rows = 1 + len(chunk.draft_token_ids)
                 b.logits_indices.np[num_samples : num_samples + num_rows] = np.arange(
@@ -266,8 +294,8 @@ class ModelRunner:
                 num_samples += 1
             num_tokens = end
             max_blocks = max(max_blocks, len(block_ids))
-            max_query_len = max(max_query_len, n)
         self._num_samples = num_samples
+        num_seqs = seq
         if padded_num_seqs:
             pad = slice(num_seqs, padded_num_seqs)
             b.input_ids.np[pad] = 0

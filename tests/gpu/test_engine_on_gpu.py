@@ -222,3 +222,55 @@ def test_a_swap_storm_agrees_with_the_unpressured_run(tmp_path, kv_cache_dtype):
         )
         matched += agreement.matched
     assert matched >= len(batch) * params.max_tokens * 3 // 4, matched
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheduling", ["sync", "async"])
+def test_speculative_verify_steps_replay_cuda_graphs(tmp_path, scheduling):
+    """A decode with drafts replays the decode graph of its row count (the runner lays it out as
+    one-row sequences): a model that repeats itself gives its reply, the same as without drafts,
+    several tokens a step, and its verify steps ran in graphs."""
+    from metrale.tokenizer import Tokenizer
+    from tests.entrypoints.test_llm_speculation import KEYWORD, REPLY
+    from tests.scripted_checkpoint import build_scripted_checkpoint
+
+    scripted = build_scripted_checkpoint(tmp_path, {KEYWORD: REPLY})
+    tokenizer = Tokenizer.from_dir(scripted.path)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": f"Say it{KEYWORD}."}])
+    prompt = tokenizer.encode(text, add_special_tokens=False)
+    reply = [*scripted.replies[KEYWORD].token_ids, tokenizer.token_to_id("<|im_end|>")]
+    params = SamplingParams(temperature=0.0, max_tokens=len(reply) + 4, logprobs=1)
+    common = {
+        "model_from_path": str(scripted.path),
+        "dtype": "float32",
+        "device": "cuda",
+        "scheduler_config": scheduling,
+    }
+    plain = LLM(**common).generate([prompt, prompt], params, use_tqdm=False)
+    llm = LLM(
+        **common,
+        speculative_config="ngram",
+        num_speculative_tokens=6,
+        speculation_cost_model=False,
+    )
+    graphs = llm.engine.runner.graphs
+    assert graphs is not None
+    graph_for = graphs.graph_for
+    verify_rows = []  # the rows of each verify step that replayed a graph
+
+    def recording(chunks):
+        graph = graph_for(chunks)
+        if graph is not None and any(c.draft_token_ids for c in chunks):
+            verify_rows.append(sum(c.num_tokens for c in chunks))
+        return graph
+
+    graphs.graph_for = recording
+    outputs = llm.generate([prompt, prompt], params, use_tqdm=False)
+    assert llm.engine.scheduler.speculator.stats.num_accepted_tokens >= len(reply) // 2
+    assert verify_rows and max(verify_rows) > 2
+    for ours, ref in zip(outputs, plain, strict=True):
+        a, b = ours.outputs[0], ref.outputs[0]
+        assert a.token_ids == b.token_ids == reply
+        for step, token in enumerate(a.token_ids):
+            assert abs(a.logprobs[step][token].logprob - b.logprobs[step][token].logprob) < 2e-2
+    assert llm.engine.scheduler.kv_cache.pool.num_used_blocks == 0

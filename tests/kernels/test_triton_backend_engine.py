@@ -13,7 +13,11 @@ import pytest
 import torch
 
 from metrale import LLM, SamplingParams
+from metrale.layers.linear import Linear
+from metrale.tokenizer import Tokenizer
 from tests.conftest import build_checkpoint
+from tests.entrypoints.test_llm_speculation import KEYWORD, REPLY
+from tests.scripted_checkpoint import build_scripted_checkpoint
 
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available(),
@@ -54,5 +58,48 @@ def test_triton_backend_gives_the_torch_backends_tokens(tmp_path, arch) -> None:
     for ours, ref in zip(outputs, expected, strict=True):
         a, b = ours.outputs[0], ref.outputs[0]
         assert a.token_ids == b.token_ids
+        for step, token in enumerate(a.token_ids):
+            assert abs(a.logprobs[step][token].logprob - b.logprobs[step][token].logprob) < 1e-4
+
+
+def test_speculative_verify_through_the_decode_kernel(tmp_path) -> None:
+    """A decode with drafts is laid out as one-row sequences, each seeing the context up to its
+    own position: the triton decode kernel verifies them, and a model that repeats itself
+    gives its reply, several tokens a step, with the logprobs of one token at a time."""
+    scripted = build_scripted_checkpoint(tmp_path, {KEYWORD: REPLY})
+    tokenizer = Tokenizer.from_dir(scripted.path)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": f"Say it{KEYWORD}."}])
+    prompt = tokenizer.encode(text, add_special_tokens=False)
+    reply = [*scripted.replies[KEYWORD].token_ids, tokenizer.token_to_id("<|im_end|>")]
+    params = SamplingParams(temperature=0.0, max_tokens=len(reply) + 4, logprobs=1)
+    reference = LLM(model_from_path=str(scripted.path), dtype="float32", device="cpu")
+    expected = reference.generate([prompt], params, use_tqdm=False)
+    llm = LLM(
+        model_from_path=str(scripted.path),
+        dtype="float32",
+        device="cpu",
+        attention_backend="triton",
+        speculative_config="ngram",
+        num_speculative_tokens=6,
+        speculation_cost_model=False,
+    )
+    for layer in llm.engine.runner.model.modules():  # this checkpoint is wide: its products
+        if isinstance(layer, Linear):  # in the interpreter's gemv would take minutes
+            layer.fused = False
+    steps = []  # (attention sequences, longest query) of each step
+    build = llm.engine.runner.build_metadata
+
+    def recording_build(step):
+        steps.append((len(step.seq_lens), step.max_query_len))
+        return build(step)
+
+    llm.engine.runner.build_metadata = recording_build
+    outputs = llm.generate([prompt], params, use_tqdm=False)
+    assert llm.engine.scheduler.speculator.stats.num_accepted_tokens >= len(reply) // 2
+    # Verify steps: more query rows than the one request, all through the decode kernel.
+    assert any(rows > 1 and longest == 1 for rows, longest in steps)
+    for ours, ref in zip(outputs, expected, strict=True):
+        a, b = ours.outputs[0], ref.outputs[0]
+        assert a.token_ids == b.token_ids == reply
         for step, token in enumerate(a.token_ids):
             assert abs(a.logprobs[step][token].logprob - b.logprobs[step][token].logprob) < 1e-4
