@@ -75,6 +75,8 @@ def main() -> None:
             model_from_path=args.model,
             dtype=args.dtype,
             quantization=args.quantization,
+            num_kv_blocks=1024,  # the engines share the device: a pool of their own each
+            max_seq_len=4096,
             **variant_flags(k),
         )
         for k in ks

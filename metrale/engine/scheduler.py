@@ -111,7 +111,7 @@ class Scheduler:
         if request.sampling_params.structured is not None or request.thinking_may_end:
             return True
         assert self.speculator is not None  # it would wait only to draft
-        return self.speculator.pays(request, len(self.running))
+        return self.speculator.worth_waiting(request, len(self.running))
 
     def abort_request(self, request_id: str) -> EngineOutput | None:
         """End a request wherever it is; its blocks are free before the next step."""

@@ -187,7 +187,7 @@ class ModelRunner:
         graph = self.graphs.graph_for(chunks) if self.graphs is not None else None
         if graph is not None:
             self._fill_inputs(chunks, padded_num_seqs=graph.num_seqs)
-            logits = graph.replay()[: len(chunks)]
+            logits = graph.replay()[: self._num_samples]  # a row per token: all sample
             self.num_graph_replays += 1
         else:
             input_ids, positions, meta, logits_indices = self._prepare_inputs(chunks, scheduled)

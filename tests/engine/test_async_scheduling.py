@@ -193,14 +193,37 @@ def test_a_speculating_request_that_finds_no_drafts_stops_waiting(configs):
     speculator = NgramSpeculator(SpeculativeConfig(), async_scheduling=True)
     runner = FakeRunner()
     core = engine(configs["async"], runner, speculator=speculator)
-    req = request("spec", prompt_len=4, max_tokens=30)
+    # The prompt holds every token the script gives (3..99, in steps of 1); the script steps by
+    # 7: each last token occurred before, so a match may follow, but no 2-gram ever repeats.
+    req = request("spec", prompt_len=97, first_token=3, max_tokens=30)
     core.scheduler.add_request(req)
     outputs, _ = run(core)
-    assert outputs["spec"] == expected_tokens(req, 30)  # scripted tokens never repeat a 2-gram
+    assert outputs["spec"] == expected_tokens(req, 30)
     chunks = [c for s in runner.steps for c in s.chunks]
-    waited = [PENDING_TOKEN_ID not in c.token_ids for c in chunks[1:]]  # past the prefill
-    assert all(waited[:ATTEMPTS]) and not all(waited)
+    waited = [PENDING_TOKEN_ID not in c.token_ids for c in chunks if c.num_tokens == 1]
+    # (not the first decode: it follows the prompt's last token, which occurred nowhere before)
+    assert waited[1 : 1 + ATTEMPTS] == [True] * ATTEMPTS and not all(waited)
     assert req.draft_resume_at > 0 and speculator.stats.num_drafts == 0
+
+
+def test_a_request_whose_tokens_cannot_match_next_never_waits(configs):
+    """A lookup needs the last token to have occurred before (the default n-gram minimum is
+    2): while it has not, whatever the pending token, nothing would be found, so the request
+    decodes with its token pending and nothing is looked up."""
+    from metrale.engine.speculation.config import SpeculativeConfig
+    from metrale.engine.speculation.speculator import NgramSpeculator
+
+    speculator = NgramSpeculator(SpeculativeConfig(), async_scheduling=True)
+    runner = FakeRunner()
+    core = engine(configs["async"], runner, speculator=speculator)
+    req = request("spec", prompt_len=3, max_tokens=30)  # prompt 0 1 2; the script gives 3..99
+    core.scheduler.add_request(req)
+    outputs, _ = run(core)
+    assert outputs["spec"] == expected_tokens(req, 30)
+    assert len(set(outputs["spec"])) == 30  # no token repeats
+    chunks = [c for s in runner.steps for c in s.chunks]
+    assert all(PENDING_TOKEN_ID in c.token_ids for c in chunks[1:])  # never waited
+    assert req.draft_resume_at == 0 and speculator.stats.num_drafts == 0
 
 
 def test_a_request_whose_drafts_would_not_pay_never_waits(configs):

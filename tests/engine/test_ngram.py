@@ -37,6 +37,23 @@ def test_proposals_match_a_search_of_the_whole_history(tokens, ngram_min, extra,
         assert index.propose(k) == brute_force(seen, ngram_min, ngram_min + extra, k)
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    tokens=st.lists(st.integers(0, 4), min_size=0, max_size=40),
+    ngram_min=st.integers(1, 3),
+    extra=st.integers(0, 2),
+)
+def test_a_match_after_one_more_token_is_foreseen_exactly(tokens, ngram_min, extra):
+    """`may_match_after_one_more` is true exactly when some next token (one seen, or a new
+    one) would give a proposal."""
+    index = NgramIndex(ngram_min, ngram_min + extra)
+    index.extend(tokens)
+    some_next_matches = any(
+        brute_force([*tokens, nxt], ngram_min, ngram_min + extra, 1) for nxt in range(6)
+    )
+    assert index.may_match_after_one_more() == some_next_matches
+
+
 def test_a_copy_is_proposed_from_its_source():
     source = list(range(100, 140))
     index = NgramIndex(2, 4)

@@ -245,6 +245,7 @@ def test_speculative_verify_steps_replay_cuda_graphs(tmp_path, scheduling):
         "dtype": "float32",
         "device": "cuda",
         "scheduler_config": scheduling,
+        "num_kv_blocks": 64,
     }
     plain = LLM(**common).generate([prompt, prompt], params, use_tqdm=False)
     llm = LLM(

@@ -8,7 +8,12 @@ itself. Appending a token registers the n-grams ending one position earlier, so 
 the longest n first: the end's n-gram, looked up, gives the position it last ended at, and the
 tokens after that position are the draft.
 
-Memory: one entry per distinct n-gram per length, at most `(ngram_max - ngram_min + 1)` per
+`may_match_after_one_more` tells, before the next token is known, whether any next token could
+end in a match: the `ngram_min - 1` tokens before it must have ended earlier too (so those
+shorter n-grams are registered as well). A scheduler that would wait for a pending token only to
+look its drafts up asks it first.
+
+Memory: one entry per distinct n-gram per length, at most `(ngram_max - ngram_min + 2)` per
 token of the request (prompt and output), freed with the request.
 """
 
@@ -26,6 +31,7 @@ class NgramIndex:
                 f"ngram_min={ngram_min}, ngram_max={ngram_max}: need 1 <= ngram_min <= ngram_max"
             )
         self.ngram_min, self.ngram_max = ngram_min, ngram_max
+        self._shortest = max(1, ngram_min - 1)  # registered: what a match needs before its end
         self.tokens: list[int] = []
         self._last_end: dict[tuple[int, ...], int] = {}
 
@@ -37,7 +43,7 @@ class NgramIndex:
         for token_id in token_ids:
             end = len(tokens) - 1  # the end so far becomes an earlier position
             if end >= 0:
-                for n in range(self.ngram_min, min(self.ngram_max, end + 1) + 1):
+                for n in range(self._shortest, min(self.ngram_max, end + 1) + 1):
                     self._last_end[tuple(tokens[end - n + 1 : end + 1])] = end
             tokens.append(token_id)
 
@@ -58,3 +64,14 @@ class NgramIndex:
             return []
         _, end = found
         return self.tokens[end + 1 : end + 1 + num_tokens]
+
+    def may_match_after_one_more(self) -> bool:
+        """Whether the tokens with some token appended could end in an n-gram that ended
+        earlier: exactly when their last `ngram_min - 1` tokens ended earlier (a longer match
+        holds a shorter one); for `ngram_min == 1`, when there is any token to repeat."""
+        n = self.ngram_min - 1
+        if n == 0:
+            return bool(self.tokens)
+        return (
+            len(self.tokens) >= n and tuple(self.tokens[len(self.tokens) - n :]) in self._last_end
+        )

@@ -100,10 +100,7 @@ class NgramSpeculator:
         step of about `num_seqs` decodes: none when its drafts would not pay at that size."""
         if max_tokens <= 0 or request.num_tokens < request.draft_resume_at:
             return []
-        state = self._requests.get(request.request_id)
-        if state is None:
-            state = _Drafting(NgramIndex(self.config.ngram_min, self.config.ngram_max))
-            self._requests[request.request_id] = state
+        state = self._state(request)
         if not self.pays(request, num_seqs):
             self.num_priced_out += 1
             return []
@@ -116,6 +113,25 @@ class NgramSpeculator:
         if not drafts and self.async_scheduling:
             self._attempted(request, state, 0)
         return drafts
+
+    def worth_waiting(self, request: Request, num_seqs: int) -> bool:
+        """Whether async scheduling should wait for the request's pending token to look its
+        drafts up: they would pay at this batch size, and its tokens so far leave a match
+        possible once that token is known (with a shared table, any may match)."""
+        if not self.pays(request, num_seqs):
+            return False
+        if self.shared is not None or request.num_pending_tokens != 1:
+            return True
+        index = self._state(request).index
+        index.extend(request.all_token_ids[len(index) :])
+        return index.may_match_after_one_more()
+
+    def _state(self, request: Request) -> _Drafting:
+        state = self._requests.get(request.request_id)
+        if state is None:
+            state = _Drafting(NgramIndex(self.config.ngram_min, self.config.ngram_max))
+            self._requests[request.request_id] = state
+        return state
 
     def pays(self, request: Request, num_seqs: int) -> bool:
         """Whether the request's drafts would pay in a step of about `num_seqs` decodes, by
