@@ -292,6 +292,9 @@ class Scheduler:
             token_ids, finish_reason = self._give_tokens(request, token_ids, now)
             if finish_reason is None:  # a thinking block closed early: computed again
                 request.num_computed_tokens -= num_offered - len(token_ids)
+                if request.speculates and not chunk.draft_token_ids:
+                    assert self.speculator is not None
+                    self.speculator.observe(request)
             del given_logprobs[len(token_ids) :]  # a stop among the drafts cuts the rest
             request.output_logprobs.extend(given_logprobs)
             outputs.append(

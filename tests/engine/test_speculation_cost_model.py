@@ -76,3 +76,43 @@ def test_drafts_are_held_back_where_the_requests_acceptance_does_not_pay():
     # Without a cost model every request drafts at every size.
     speculator.costs = None
     assert speculator.propose(other, 4, num_seqs=64) == [5, 6, 7, 8]
+
+
+def test_a_priced_out_request_learns_from_the_drafts_it_would_have_had():
+    """Priced out after its drafts were rejected, a request no longer drafts, so only its shadow
+    lookups (checked against its tokens as they come, at no cost) can show that drafts would
+    pay again: once the text copies itself, they do."""
+    speculator = NgramSpeculator(SpeculativeConfig(num_speculative_tokens=4), costs=COSTS)
+    request = Request("r", [1, 2, 3, 4, 5, 6, 7, 8, 9], SamplingParams(temperature=0.0))
+    request.speculates = True
+    for _ in range(4):  # its text did not go on as drafted: acceptance 1/18, below 0.5 at 64
+        speculator.record(request, 4, 0)
+    request.draft_resume_at = 0  # (whatever the pause: the cost model holds it back)
+    request.append_output_token(1)
+    assert speculator.propose(request, 4, num_seqs=64) == []
+    for token in [2, 3, 4, 5, 6, 7, 8, 9] * 3:  # the text now repeats: each shadow is right
+        request.append_output_token(token)
+        speculator.observe(request)
+    state = speculator._requests["r"]
+    assert state.acceptance > COSTS.min_acceptance(64)
+    request.append_output_token(1)
+    assert speculator.propose(request, 4, num_seqs=64) == [2, 3, 4, 5]
+
+
+def test_a_request_whose_lookups_find_nothing_does_not_make_the_batch_wait():
+    """Under async scheduling a drafting request waits for its pending token; where its
+    lookups rarely find drafts (random text), the drafts it may find do not pay for the wait
+    at a batch size whose bar is above its hit rate times its acceptance."""
+    speculator = NgramSpeculator(SpeculativeConfig(), async_scheduling=True, costs=COSTS)
+    request = Request("r", [7, 1000], SamplingParams(temperature=0.0))
+    request.speculates = True
+    for token in range(2000, 2016):  # no token repeats: every shadow lookup finds nothing
+        request.append_output_token(token)
+        speculator.observe(request)
+    request.append_output_token(7)  # 7 occurred before: the next token may end in a match
+    request.num_pending_tokens = 1
+    assert speculator.worth_waiting(request, num_seqs=1)  # at batch 1 a wait is cheap
+    assert not speculator.worth_waiting(request, num_seqs=64)
+    fresh = Request("f", [7, 1000, 7], SamplingParams(temperature=0.0))
+    fresh.speculates, fresh.num_pending_tokens = True, 1
+    assert speculator.worth_waiting(fresh, num_seqs=4)  # no lookups yet: the prior's 0.25

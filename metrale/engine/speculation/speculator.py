@@ -53,12 +53,25 @@ class _Drafting:
     pause: int = FIRST_PAUSE  # tokens, the next time it pauses
     # Its recent drafting steps' (drafted, accepted) tokens, for its acceptance
     checked: deque[tuple[int, int]] = field(default_factory=lambda: deque(maxlen=2 * ATTEMPTS))
+    # The drafts it would have checked after its first `shadow_at` tokens, in a step where it
+    # drafted none (`observe`), checked against its tokens as they come; how the latest such
+    # would-be attempts fared (accepted tokens)
+    shadow: list[int] = field(default_factory=list)
+    shadow_at: int = 0
+    shadow_recent: deque[int] = field(default_factory=lambda: deque(maxlen=ATTEMPTS))
+    # Whether each of its latest lookups (real or shadow) found drafts
+    lookups: deque[bool] = field(default_factory=lambda: deque(maxlen=4 * ATTEMPTS))
 
     @property
     def acceptance(self) -> float:
         """Accepted tokens per draft token, lately."""
         drafted = sum(d for d, _ in self.checked) + PRIOR_WEIGHT
         return (sum(a for _, a in self.checked) + PRIOR * PRIOR_WEIGHT) / drafted
+
+    @property
+    def hit_rate(self) -> float:
+        """The share of its lookups that found drafts, lately."""
+        return (sum(self.lookups) + PRIOR * PRIOR_WEIGHT) / (len(self.lookups) + PRIOR_WEIGHT)
 
 
 class NgramSpeculator:
@@ -104,25 +117,64 @@ class NgramSpeculator:
         if not self.pays(request, num_seqs):
             self.num_priced_out += 1
             return []
-        index = state.index
-        index.extend(request.all_token_ids[len(index) :])
-        num_tokens = min(max_tokens, self.config.num_speculative_tokens)
-        drafts = index.propose(num_tokens)
-        if not drafts and self.shared is not None:
-            drafts = self.shared.lookup(request.tenant, index.tokens)[:num_tokens]
+        state.shadow = []  # checked for real from here
+        drafts = self._lookup(request, state, min(max_tokens, self.config.num_speculative_tokens))
         if not drafts and self.async_scheduling:
             self._attempted(request, state, 0)
         return drafts
 
+    def observe(self, request: Request) -> None:
+        """A speculating request's new tokens, from a step that checked none of its drafts
+        (priced out, paused, or its token pending): a shadow lookup, its drafts checked
+        against the tokens as they come, with no wait and no verify. What it would have
+        gained counts in the request's acceptance and hit rate, so both are still learned
+        while it does not draft, and a pause ends early once its shadows would have paid."""
+        state = self._state(request)
+        tokens = request.all_token_ids
+        if state.shadow:
+            known = tokens[state.shadow_at : state.shadow_at + len(state.shadow)]
+            accepted = 0
+            while accepted < len(known) and known[accepted] == state.shadow[accepted]:
+                accepted += 1
+            if accepted == len(known) < len(state.shadow):
+                return  # matching so far: the next tokens decide
+            state.checked.append((len(state.shadow), accepted))
+            state.shadow_recent.append(accepted)
+            recent = state.shadow_recent
+            if (
+                len(recent) == ATTEMPTS
+                and sum(recent) >= MIN_ACCEPTED_PER_ATTEMPT * ATTEMPTS
+                and request.draft_resume_at > request.num_tokens
+            ):
+                request.draft_resume_at = 0
+                state.pause = FIRST_PAUSE
+        state.shadow = self._lookup(request, state, self.config.num_speculative_tokens)
+        state.shadow_at = len(tokens)
+
+    def _lookup(self, request: Request, state: _Drafting, num_tokens: int) -> list[int]:
+        """Up to `num_tokens` drafts after the request's tokens: its own, else the shared
+        table's."""
+        index = state.index
+        index.extend(request.all_token_ids[len(index) :])
+        drafts = index.propose(num_tokens)
+        if not drafts and self.shared is not None:
+            drafts = self.shared.lookup(request.tenant, index.tokens)[:num_tokens]
+        state.lookups.append(bool(drafts))
+        return drafts
+
     def worth_waiting(self, request: Request, num_seqs: int) -> bool:
         """Whether async scheduling should wait for the request's pending token to look its
-        drafts up: they would pay at this batch size, and its tokens so far leave a match
-        possible once that token is known (with a shared table, any may match)."""
-        if not self.pays(request, num_seqs):
-            return False
+        drafts up: drafts found as often as its lookups find them, accepted as often as its
+        drafts are, would pay at this batch size, and its tokens so far leave a match possible
+        once that token is known (with a shared table, any may match)."""
+        state = self._state(request)
+        if self.costs is not None:
+            expected = state.hit_rate * state.acceptance
+            if expected < self.costs.min_acceptance(num_seqs):
+                return False
         if self.shared is not None or request.num_pending_tokens != 1:
             return True
-        index = self._state(request).index
+        index = state.index
         index.extend(request.all_token_ids[len(index) :])
         return index.may_match_after_one_more()
 
