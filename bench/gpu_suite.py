@@ -620,6 +620,7 @@ def b2_spec(results: dict) -> None:
                         "draft_tokens": speculator.stats.num_draft_tokens,
                         "accepted_tokens": speculator.stats.num_accepted_tokens,
                         "priced_out": speculator.num_priced_out,
+                        "bar": speculator.costs.describe() if speculator.costs else None,
                     }
                 )
             print(f"B2 spec {name}: {tokens / seconds:.0f} output tok/s")
