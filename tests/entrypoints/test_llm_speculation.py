@@ -166,6 +166,17 @@ KEYWORD = " harmonic"
 REPLY = "Check the cache, then the disk, then the network. " * 3 + "Check the logs instead."
 
 
+def repeating_model(tmp_path) -> tuple[str, list[int], list[int]]:
+    """A scripted checkpoint that says REPLY (which repeats itself) when asked: its path, the
+    chat prompt that asks, and the reply's tokens with the end of turn."""
+    scripted = build_scripted_checkpoint(tmp_path, {KEYWORD: REPLY})
+    tokenizer = Tokenizer.from_dir(scripted.path)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": f"Say it{KEYWORD}."}])
+    prompt = tokenizer.encode(text, add_special_tokens=False)
+    reply = [*scripted.replies[KEYWORD].token_ids, tokenizer.token_to_id("<|im_end|>")]
+    return str(scripted.path), prompt, reply
+
+
 @pytest.mark.parametrize("scheduling", ["sync", "async"])
 def test_a_model_that_repeats_itself_takes_several_tokens_a_step(tmp_path, scheduling):
     scripted = build_scripted_checkpoint(tmp_path, {KEYWORD: REPLY})

@@ -230,18 +230,12 @@ def test_speculative_verify_steps_replay_cuda_graphs(tmp_path, scheduling):
     """A decode with drafts replays the decode graph of its row count (the runner lays it out as
     one-row sequences): a model that repeats itself gives its reply, the same as without drafts,
     several tokens a step, and its verify steps ran in graphs."""
-    from metrale.tokenizer import Tokenizer
-    from tests.entrypoints.test_llm_speculation import KEYWORD, REPLY
-    from tests.scripted_checkpoint import build_scripted_checkpoint
+    from tests.entrypoints.test_llm_speculation import repeating_model
 
-    scripted = build_scripted_checkpoint(tmp_path, {KEYWORD: REPLY})
-    tokenizer = Tokenizer.from_dir(scripted.path)
-    text = tokenizer.apply_chat_template([{"role": "user", "content": f"Say it{KEYWORD}."}])
-    prompt = tokenizer.encode(text, add_special_tokens=False)
-    reply = [*scripted.replies[KEYWORD].token_ids, tokenizer.token_to_id("<|im_end|>")]
+    model_path, prompt, reply = repeating_model(tmp_path)
     params = SamplingParams(temperature=0.0, max_tokens=len(reply) + 4, logprobs=1)
     common = {
-        "model_from_path": str(scripted.path),
+        "model_from_path": model_path,
         "dtype": "float32",
         "device": "cuda",
         "scheduler_config": scheduling,

@@ -14,10 +14,8 @@ import torch
 
 from metrale import LLM, SamplingParams
 from metrale.layers.linear import Linear
-from metrale.tokenizer import Tokenizer
 from tests.conftest import build_checkpoint
-from tests.entrypoints.test_llm_speculation import KEYWORD, REPLY
-from tests.scripted_checkpoint import build_scripted_checkpoint
+from tests.entrypoints.test_llm_speculation import repeating_model
 
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available(),
@@ -66,16 +64,12 @@ def test_speculative_verify_through_the_decode_kernel(tmp_path) -> None:
     """A decode with drafts is laid out as one-row sequences, each seeing the context up to its
     own position: the triton decode kernel verifies them, and a model that repeats itself
     gives its reply, several tokens a step, with the logprobs of one token at a time."""
-    scripted = build_scripted_checkpoint(tmp_path, {KEYWORD: REPLY})
-    tokenizer = Tokenizer.from_dir(scripted.path)
-    text = tokenizer.apply_chat_template([{"role": "user", "content": f"Say it{KEYWORD}."}])
-    prompt = tokenizer.encode(text, add_special_tokens=False)
-    reply = [*scripted.replies[KEYWORD].token_ids, tokenizer.token_to_id("<|im_end|>")]
+    model_path, prompt, reply = repeating_model(tmp_path)
     params = SamplingParams(temperature=0.0, max_tokens=len(reply) + 4, logprobs=1)
-    reference = LLM(model_from_path=str(scripted.path), dtype="float32", device="cpu")
+    reference = LLM(model_from_path=model_path, dtype="float32", device="cpu")
     expected = reference.generate([prompt], params, use_tqdm=False)
     llm = LLM(
-        model_from_path=str(scripted.path),
+        model_from_path=model_path,
         dtype="float32",
         device="cpu",
         attention_backend="triton",
