@@ -486,7 +486,5 @@ def _one_token_chunks_first(
     """Reorder a mixed step so its decodes (with their drafts, if any) lead, each kind in its
     order: attention runs them as one decode batch, with a kernel made for a query row per
     sequence (a decode with drafts is laid out as a sequence per row)."""
-    order = sorted(
-        range(len(chunks)), key=lambda i: chunks[i].num_tokens > 1 + len(chunks[i].draft_token_ids)
-    )
+    order = sorted(range(len(chunks)), key=lambda i: not chunks[i].is_decode)
     return [chunks[i] for i in order], [requests[i] for i in order]

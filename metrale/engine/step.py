@@ -61,6 +61,12 @@ class ScheduledChunk:
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
+    @property
+    def is_decode(self) -> bool:
+        """It computes one token after its context, then its drafts (if any): attention runs it
+        as one-row sequences, one per token (`ModelRunner._fill_inputs`)."""
+        return len(self.token_ids) == 1 + len(self.draft_token_ids)
+
 
 @dataclass(frozen=True)
 class SchedulerOutput:

@@ -58,7 +58,7 @@ class DecodeGraphs:
         for one."""
         num_rows = 0
         for c in chunks:
-            if not c.samples or c.num_tokens != 1 + len(c.draft_token_ids):
+            if not c.samples or not c.is_decode:
                 return None
             num_rows += c.num_tokens
         if num_rows > self.sizes[-1]:

@@ -259,7 +259,6 @@ class ModelRunner:
                 b.seq_lens.np[seq] = start + 1
                 b.query_start_loc.np[seq + 1] = end
                 seq += 1
-                max_query_len = max(max_query_len, 1)
             else:
                 pos = np.arange(start, start + n)
                 b.input_ids.np[num_tokens:end] = chunk.token_ids
@@ -268,7 +267,7 @@ class ModelRunner:
                 b.slot_mapping.np[num_tokens:end] = (
                     b.block_tables.np[seq, pos // bs] * bs + pos % bs
                 )
-                if len(chunk.draft_token_ids) == n - 1:  # a verify: n one-row sequences
+                if chunk.is_decode:  # with drafts: n one-row sequences
                     if num_decode_seqs == seq:
                         num_decode_seqs += n
                     b.block_tables.np[seq + 1 : seq + n, : len(block_ids)] = block_ids
@@ -276,7 +275,6 @@ class ModelRunner:
                     b.seq_lens.np[seq : seq + n] = pos + 1
                     b.query_start_loc.np[seq + 1 : seq + n + 1] = np.arange(num_tokens, end) + 1
                     seq += n
-                    max_query_len = max(max_query_len, 1)
                 else:
                     b.start_positions.np[seq] = start
                     b.seq_lens.np[seq] = start + n
@@ -296,6 +294,7 @@ class ModelRunner:
             max_blocks = max(max_blocks, len(block_ids))
         self._num_samples = num_samples
         num_seqs = seq
+        max_query_len = max(max_query_len, min(num_seqs, 1))  # one-row sequences only: 1
         if padded_num_seqs:
             pad = slice(num_seqs, padded_num_seqs)
             b.input_ids.np[pad] = 0

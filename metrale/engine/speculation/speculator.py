@@ -155,7 +155,6 @@ class NgramSpeculator:
         """Up to `num_tokens` drafts after the request's tokens: its own, else the shared
         table's."""
         index = state.index
-        index.extend(request.all_token_ids[len(index) :])
         drafts = index.propose(num_tokens)
         if not drafts and self.shared is not None:
             drafts = self.shared.lookup(request.tenant, index.tokens)[:num_tokens]
@@ -174,15 +173,15 @@ class NgramSpeculator:
                 return False
         if self.shared is not None or request.num_pending_tokens != 1:
             return True
-        index = state.index
-        index.extend(request.all_token_ids[len(index) :])
-        return index.may_match_after_one_more()
+        return state.index.may_match_after_one_more()
 
     def _state(self, request: Request) -> _Drafting:
+        """The request's drafting state, its index caught up with its tokens."""
         state = self._requests.get(request.request_id)
         if state is None:
             state = _Drafting(NgramIndex(self.config.ngram_min, self.config.ngram_max))
             self._requests[request.request_id] = state
+        state.index.extend(request.all_token_ids[len(state.index) :])
         return state
 
     def pays(self, request: Request, num_seqs: int) -> bool:
