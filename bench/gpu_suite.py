@@ -33,6 +33,7 @@ from pathlib import Path
 import msgspec
 import torch
 from hf_reference import left_padded
+from workload_floor import Device, ModelCosts, StepTrace, describe, matmul_flops, report
 
 from metrale.engine.core import EngineCore
 from metrale.engine.messages import EngineRequest
@@ -106,12 +107,16 @@ def engine(config: dict, **kwargs) -> EngineCore:
     return EngineCore.from_config(args.create_config(), progress=False)
 
 
+def add_requests(core: EngineCore, prompts: list[list[int]], params: list[SamplingParams]) -> None:
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        core.add_request(EngineRequest(f"r{time.monotonic_ns()}-{i}", prompt, p, 0.0))
+
+
 def run(
     core: EngineCore, prompts: list[list[int]], params: list[SamplingParams]
 ) -> tuple[float, int]:
     """Wall seconds and output tokens for the whole batch."""
-    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-        core.add_request(EngineRequest(f"r{time.monotonic_ns()}-{i}", prompt, p, 0.0))
+    add_requests(core, prompts, params)
     torch.cuda.synchronize()
     start = time.perf_counter()
     num_tokens = 0
@@ -119,6 +124,30 @@ def run(
         num_tokens += sum(len(o.new_token_ids) for o in core.step())
     torch.cuda.synchronize()
     return time.perf_counter() - start, num_tokens
+
+
+def run_traced(
+    core: EngineCore, prompts: list[list[int]], params: list[SamplingParams], results: dict
+) -> tuple[float, int, dict]:
+    """`run`, with each step recorded: also the run's floor on this device (`workload_floor`),
+    from the bandwidth and matmul rate measured at the start of the call."""
+    add_requests(core, prompts, params)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    num_tokens = 0
+    with StepTrace(core) as trace:
+        while core.has_unfinished_requests():
+            num_tokens += sum(len(o.new_token_ids) for o in trace.step())
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    bw = results["bandwidth"]
+    floor = report(
+        trace.steps,
+        ModelCosts.of(core),
+        Device(bw["read_bytes_per_s"], bw["matmul_flops_per_s"]),
+    )
+    print(describe(floor))
+    return seconds, num_tokens, floor
 
 
 def release(core: EngineCore) -> None:
@@ -359,6 +388,7 @@ def bandwidth() -> dict[str, float]:
         "copy_bytes_per_s": copy,
         "gemv_read_bytes_per_s": gemv,
         "read_bytes_per_s": max(copy, gemv),
+        "matmul_flops_per_s": matmul_flops(),
     }
 
 
@@ -589,11 +619,12 @@ def b2(results: dict, models: tuple[str, ...] = tuple(B2_MODELS)) -> None:
         core = b2_engine(config)
         prompts, lens_out, params = b2_workload()
         run(core, prompts[:4], [SamplingParams(max_tokens=8)] * 4)
-        seconds, tokens = run(core, prompts, params)
+        seconds, tokens, floor = run_traced(core, prompts, params, results)
         results[f"b2_{name}"] = {
             "output_tokens_per_s": tokens / seconds,
             "seconds": seconds,
             "output_tokens": tokens,
+            "floor": floor,
         }
         print(f"B2 {name}: {tokens / seconds:.0f} output tok/s ({tokens} in {seconds:.1f} s)")
         release(core)
@@ -650,11 +681,12 @@ def b3(results: dict) -> None:
     core, prompts = b3_engine_and_prompts()
     params = [SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)] * 1000
     run(core, prompts[:8], [SamplingParams(max_tokens=8)] * 8)
-    seconds, tokens = run(core, prompts, params)
+    seconds, tokens, floor = run_traced(core, prompts, params, results)
     results["b3_llama_8b"] = {
         "output_tokens_per_s": tokens / seconds,
         "seconds": seconds,
         "output_tokens": tokens,
+        "floor": floor,
     }
     print(f"B3 llama_8b: {tokens / seconds:.0f} output tok/s ({tokens} in {seconds:.1f} s)")
     release(core)
@@ -673,11 +705,12 @@ def b3_swap(results: dict) -> None:
         run(core, prompts[:8], [SamplingParams(max_tokens=8)] * 8)
         scheduler = core.scheduler
         before = scheduler.num_preemptions, scheduler.num_recomputed_tokens
-        seconds, tokens = run(core, prompts, params)
+        seconds, tokens, floor = run_traced(core, prompts, params, results)
         entry = {
             "output_tokens_per_s": tokens / seconds,
             "seconds": seconds,
             "output_tokens": tokens,
+            "floor": floor,
             "preemptions": scheduler.num_preemptions - before[0],
             "recomputed_tokens": scheduler.num_recomputed_tokens - before[1],
         }
