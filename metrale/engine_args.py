@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from metrale import envs
 from metrale.checkpoint.resolve import resolve_model_dir
 from metrale.config import (
     KV_CACHE_DTYPE_NAMES,
@@ -24,6 +25,7 @@ from metrale.config import (
     CacheConfig,
     ModelConfig,
     SchedulerConfig,
+    is_fp8,
     parse_dtype,
     parse_kv_cache_dtype,
 )
@@ -78,6 +80,7 @@ class EngineConfig:
     is_demo: bool
     attention_backend: str = "torch"
     max_cuda_graph_batch: int = 0  # 0: no CUDA graphs
+    compile_cpu_decode: bool = False  # CPU decode steps through torch.compile
     tokenizer_eos_token_id: int | None = None
     async_scheduling: bool = False  # prepare step N+1 while step N runs
     quantization: str | None = None  # gguf: GGUF linear weights stay packed
@@ -222,7 +225,9 @@ class EngineArgs:
             help="capture decode steps in CUDA graphs up to this batch size (GPU)",
         )
         g.add_argument(
-            "--enforce-eager", action="store_true", help="no CUDA graphs: run every step eagerly"
+            "--enforce-eager",
+            action="store_true",
+            help="run every step eagerly: no CUDA graphs (GPU), no compiled decode steps (CPU)",
         )
         g = parser.add_argument_group("scheduling")
         g.add_argument(
@@ -476,6 +481,13 @@ class EngineArgs:
             max_cuda_graph_batch=0
             if self.enforce_eager or device.type != "cuda" or self.tensor_parallel_size > 1
             else self.max_cuda_graph_batch,
+            compile_cpu_decode=not self.enforce_eager
+            and device.type == "cpu"
+            and self.tensor_parallel_size == 1
+            and self.quantization is None
+            and not is_fp8(kv_cache_dtype)
+            and resolve_backend(self.attention_backend, device) == "torch"
+            and envs.compile_cpu_decode(),
             async_scheduling=self.scheduler_config == "async"
             or (self.scheduler_config == "auto" and device.type == "cuda"),
             log_stats=not self.disable_log_stats,

@@ -35,6 +35,13 @@ def onednn() -> bool:
     return os.environ.get("METRALE_ONEDNN", "1") != "0"
 
 
+def compile_cpu_decode() -> bool:
+    """Whether a CPU engine compiles its decode steps (`runner.compiled_decode`) unless
+    `--enforce-eager`: METRALE_COMPILE_CPU_DECODE=0 keeps them eager (the test suite does, so that
+    only the tests of the compiled path pay for compiling)."""
+    return os.environ.get("METRALE_COMPILE_CPU_DECODE", "1") != "0"
+
+
 def tcmalloc() -> bool:
     """Whether a CPU engine process starts with the system's tcmalloc preloaded
     (`engine.allocator`): METRALE_TCMALLOC=0 keeps glibc's malloc."""

@@ -6,12 +6,17 @@ top logits, so greedy decoding is not decided by the last bits of a summation or
 
 from __future__ import annotations
 
+import os
 import shutil
 from importlib import resources
 from pathlib import Path
 
 import pytest
 import torch
+
+# CPU engines run their decode steps eagerly here: compiling costs each engine 10-30 s, so only
+# the tests of the compiled path (tests/runner/test_compiled_decode.py) turn it on.
+os.environ.setdefault("METRALE_COMPILE_CPU_DECODE", "0")
 
 WEIGHT_SCALE = 0.15
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")

@@ -178,6 +178,7 @@ def load_rank_model(config: EngineConfig, progress: bool = True) -> torch.nn.Mod
         seed=config.seed,
         progress=progress,
         fused_kernels=config.attention_backend == "triton",
+        keep_dense_weights=config.compile_cpu_decode,
     )
 
 

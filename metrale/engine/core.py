@@ -90,7 +90,9 @@ class EngineCore:
     def _build(cls, config: EngineConfig, progress: bool) -> EngineCore:
         start = time.perf_counter()
         model = load_rank_model(config, progress)
+        loaded = time.perf_counter()
         config = agree_on_kv_blocks(model, config)
+        sized = time.perf_counter()
         runner = ModelRunner(
             model,
             config.model,
@@ -103,6 +105,7 @@ class EngineCore:
             num_speculative_tokens=(
                 0 if config.speculative is None else config.speculative.num_speculative_tokens
             ),
+            compile_decode=config.compile_cpu_decode,
             structured_outputs=StructuredOutputs(
                 config.model_dir, config.model.vocab_size, config.eos_token_ids
             ),
@@ -115,8 +118,12 @@ class EngineCore:
             speculator=None if config.speculative is None else speculator(config, runner),
         )
         logger.info(
-            "engine ready in %.2f s: %s on %s (%s), %d KV blocks of %d tokens (%s), %s scheduling",
+            "engine ready in %.2f s (weights %.2f s, KV sizing %.2f s, runner %.2f s): %s on %s "
+            "(%s), %d KV blocks of %d tokens (%s), %s scheduling",
             time.perf_counter() - start,
+            loaded - start,
+            sized - loaded,
+            time.perf_counter() - sized,
             config.model.architecture,
             config.device,
             str(config.dtype).removeprefix("torch."),

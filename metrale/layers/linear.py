@@ -67,6 +67,16 @@ def silu_and_mul_linear(
     return down(silu_and_mul(gate_up))
 
 
+def streamed_product(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x @ weight.T (+ bias) as a reduction, for a one-row product inside a compiled CPU decode
+    step (`runner/compiled_decode.py`): inductor turns it into a loop that streams the dense
+    weight, 1.3-1.5x the rate of oneDNN's one-row product on 2 cores (and of torch's, 2.5x)."""
+    out = (x[:, None, :] * weight[None]).sum(-1)
+    return out if bias is None else out + bias
+
+
 # The batch size oneDNN lays a weight out for. One layout serves every step, and the one for 256
 # rows measured best at every size a step has (2 cores, fp32, peers.md's 33.6M Llama's weights:
 # 16 rows 1.6-2.0x faster than the layout for 1 row, prefill chunks of 512-2048 rows as fast or
@@ -74,9 +84,10 @@ def silu_and_mul_linear(
 ONEDNN_LAYOUT_ROWS = 256
 
 
-def prepack_for_cpu(model: nn.Module) -> int:
+def prepack_for_cpu(model: nn.Module, keep_dense: bool = False) -> int:
     """Give every dense `Linear` of a CPU model its weight in oneDNN's layout, the dense copy
-    dropped; the number of layers prepacked (0 where oneDNN is absent or METRALE_ONEDNN=0).
+    dropped unless `keep_dense` (compiled one-row decode steps stream it); the number of layers
+    prepacked (0 where oneDNN is absent or METRALE_ONEDNN=0).
 
     torch's CPU products of one row run on one core (bench/profile_cpu.py: 33.6M-parameter
     Llama, fp32, 2 cores: a decode step's products read 13 GB/s of the machine's 27-40); through
@@ -94,7 +105,7 @@ def prepack_for_cpu(model: nn.Module) -> int:
         and m.weight.device.type == "cpu"
     ]
     for layer in layers:
-        layer.onednn_pack_()
+        layer.onednn_pack_(keep_dense)
     return len(layers)
 
 
@@ -118,22 +129,26 @@ class Linear(nn.Linear):
         self.register_parameter("weight", None)
         self.packed = PackedWeight.empty(fmt, self.out_features, self.in_features, device)
 
-    def onednn_pack_(self) -> None:
+    def onednn_pack_(self, keep_dense: bool = False) -> None:
         """The weight in oneDNN's blocked layout (an opaque tensor, the same bytes), the dense
-        one dropped (if the weight is shared, as a tied head's is, its owner keeps it)."""
+        one dropped unless `keep_dense` (if the weight is shared, as a tied head's is, its owner
+        keeps it)."""
         self.onednn = torch.ops.mkldnn._reorder_linear_weight(
             self.weight.detach(), ONEDNN_LAYOUT_ROWS
         )
-        del self.weight
-        self.register_parameter("weight", None)
+        if not keep_dense:
+            del self.weight
+            self.register_parameter("weight", None)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        if self.onednn is not None:  # the dense weight, read back out of oneDNN's layout
+        if self.onednn is not None and self.weight is None:  # read back out of oneDNN's layout
             destination[prefix + "weight"] = self.onednn.to_dense()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # `product`'s body inlined: the hot path of every unsplit layer, one call fewer
+        if torch.compiler.is_compiling() and self.weight is not None:  # a one-row CPU step
+            return streamed_product(x, self.weight, self.bias)
         if self.onednn is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.onednn, self.bias, "none", [], "")
         if self.packed is not None:
@@ -142,6 +157,8 @@ class Linear(nn.Linear):
 
     def product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x @ weight.T (+ `bias`), this rank's part only."""
+        if torch.compiler.is_compiling() and self.weight is not None:  # a one-row CPU step
+            return streamed_product(x, self.weight, bias)
         if self.onednn is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.onednn, bias, "none", [], "")
         if self.packed is not None:

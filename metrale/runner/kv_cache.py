@@ -51,7 +51,7 @@ class PagedKVCache:
         # uninitialized memory may hold NaN, which zero does not cancel.
         self.kv = torch.zeros(shape, dtype=cache.dtype, device=device)
         for i, layer in enumerate(layers):
-            layer.bind_cache(self.kv[i, 0], self.kv[i, 1])
+            layer.bind_cache(self.kv[i, 0], self.kv[i, 1], i)
         self.device = device
         self._bytes = self.kv.view(torch.uint8)  # the same memory, a byte per element
         self.host: torch.Tensor | None = None

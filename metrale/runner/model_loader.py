@@ -77,11 +77,14 @@ def load_model(
     seed: int = 0,
     progress: bool = True,
     fused_kernels: bool = False,
+    keep_dense_weights: bool = False,
 ) -> nn.Module:
     """The model, in eval mode on `device`; `dummy` fills random weights of the right shapes.
 
     quantization="gguf": the linear layers whose GGUF weights are Q8_0, Q4_0 or Q4_1 keep them
-    packed (`PackedWeight`); every other tensor is dequantized to `dtype` as by default."""
+    packed (`PackedWeight`); every other tensor is dequantized to `dtype` as by default. On a
+    CPU the linear layers get oneDNN's layout, and with `keep_dense_weights` keep the dense one
+    too (compiled decode steps read it)."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization={quantization!r}: use gguf or leave it out")
     cls = model_class_for(config.architecture)
@@ -112,7 +115,8 @@ def load_model(
         tensors = iter_checkpoint_tensors(checked, device, progress, slice_of)  # type: ignore[arg-type]
     model.load_weights(tensors)
     if device.type == "cpu":
-        logger.debug("oneDNN: %d linear layers prepacked", prepack_for_cpu(model))
+        packed = prepack_for_cpu(model, keep_dense=keep_dense_weights)
+        logger.debug("oneDNN: %d linear layers prepacked", packed)
     return model.eval().requires_grad_(False)
 
 

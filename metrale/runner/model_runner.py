@@ -30,6 +30,7 @@ from metrale.engine.step import (
     SchedulerOutput,
 )
 from metrale.layers.attention import AttentionMetadata, StepBatch, metadata_builder
+from metrale.runner.compiled_decode import CompiledDecode
 from metrale.runner.cuda_graphs import DecodeGraphs
 from metrale.runner.input_buffers import InputBuffers, to_device
 from metrale.runner.kv_cache import PagedKVCache, SwapTiming
@@ -67,6 +68,7 @@ class ModelRunner:
         structured_outputs: StructuredOutputs | None = None,
         time_steps: bool = True,
         num_speculative_tokens: int = 0,
+        compile_decode: bool = False,
     ) -> None:
         self.model = model
         # Each step's device time (two timing events on a GPU, a clock on a CPU), for the
@@ -95,6 +97,7 @@ class ModelRunner:
         )
         self._num_samples = 0
         self.num_graph_replays = 0
+        self.num_compiled_steps = 0
         # The latest step's sampled ids, on the device, and its sampling chunks (one per row):
         # the next step's pending input tokens.
         self._last_samples = torch.zeros(0, dtype=torch.int64, device=device)
@@ -110,6 +113,11 @@ class ModelRunner:
                 self, min(max_cuda_graph_batch, scheduler_config.max_batch_size)
             )
             self.graphs.capture()
+        # On a CPU: decode steps compiled by torch.compile (the model keeps dense weights).
+        self.compiled: CompiledDecode | None = None
+        if compile_decode:
+            self.compiled = CompiledDecode(self)
+            self.compiled.warm_up()
 
     @property
     def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -189,6 +197,12 @@ class ModelRunner:
             self._fill_inputs(chunks, padded_num_seqs=graph.num_seqs)
             logits = graph.replay()[: self._num_samples]  # a row per token: all sample
             self.num_graph_replays += 1
+        elif self.compiled is not None and self.compiled.handles(chunks):
+            batch = self._fill_inputs(chunks)
+            rows = batch.slot_mapping.shape[0]
+            b = self.buffers
+            logits = self.compiled.run(batch, b.input_ids.device[:rows], b.positions.device[:rows])
+            self.num_compiled_steps += 1
         else:
             input_ids, positions, meta, logits_indices = self._prepare_inputs(chunks, scheduled)
             hidden = self.model(input_ids, positions, meta)  # [num_tokens, hidden_size]

@@ -66,10 +66,12 @@ class Attention(nn.Module):
         self.scale = head_dim**-0.5
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        self.cache_index = 0  # its layer's index in the pool, `[num_layers, 2, ...]`
 
-    def bind_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    def bind_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor, index: int = 0) -> None:
         # each: [num_blocks, block_size, num_kv_heads, head_dim]
         self.k_cache, self.v_cache = k_cache, v_cache
+        self.cache_index = index
 
     def forward(
         self,

@@ -1,0 +1,98 @@
+"""One-row decode steps compiled by torch.compile on a CPU: the CPU's counterpart of the CUDA
+graphs.
+
+A batch-1 decode step of a small model on a CPU spends a third or more of its time around its
+products (~1,500 aten calls a step, each a Python dispatch and an OpenMP region of its own), and
+its products, through oneDNN, read the weights at ~2/3 of the machine's bandwidth
+(bench/profile_cpu.py). A step of one decode runs instead as one graph that inductor compiled
+to C++ loops: norms, rotary, activations and residual adds fused; attention reading the paged
+cache in place (`layers/attention/compiled_decode.py`); products as reductions that stream the
+dense weights (`layers/linear.streamed_product`). On 2 cores that step takes ~55% of the eager
+one's time. Steps of several rows stay eager: compiled the same way they measured no faster
+(oneDNN's products dominate them, and inductor's attention over many rows was slower than the
+eager gather + SDPA).
+
+The context is a symbolic size, so one graph serves every one-row step. It is compiled at
+startup by a warm-up step, so no request waits for a compiler; inductor keeps what it compiled
+on disk (its FX graph cache), so a later start with the same model and torch compiles less.
+`--enforce-eager` turns this off.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from metrale.engine.step import ScheduledChunk
+from metrale.layers.attention import StepBatch
+from metrale.layers.attention.compiled_decode import CompiledDecodeMetadata
+from metrale.runner.probe_steps import decode_probe
+
+if TYPE_CHECKING:
+    from metrale.runner.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+# Compiled graphs a process may keep (torch's default, 8, is shared by every model in it: a
+# process may build several engines, as the tests do).
+_CACHE_SIZE_LIMIT = 64
+
+
+class CompiledDecode:
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        torch._dynamo.config.cache_size_limit = max(
+            torch._dynamo.config.cache_size_limit, _CACHE_SIZE_LIMIT
+        )
+        self._forward = torch.compile(self._logits, dynamic=True, fullgraph=True)
+
+    def _logits(
+        self,
+        kv: torch.Tensor,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+    ) -> torch.Tensor:
+        meta = CompiledDecodeMetadata(
+            kv,
+            slot_mapping,
+            block_tables,
+            seq_lens,
+            self.runner.block_size,
+            self.runner.model_config.sliding_window,
+        )
+        model = self.runner.model
+        return model.compute_logits(model(input_ids, positions, meta))
+
+    @staticmethod
+    def handles(chunks: list[ScheduledChunk]) -> bool:
+        """Whether the step is one decode (no drafts) that samples."""
+        return len(chunks) == 1 and chunks[0].samples and chunks[0].num_tokens == 1
+
+    def run(self, batch: StepBatch, input_ids: torch.Tensor, positions: torch.Tensor):
+        """The logits of the step `handles` accepted, laid out as `batch`."""
+        block_tables = batch.block_tables
+        if block_tables.shape[1] < 2:  # a size of one would compile a second graph
+            block_tables = self.runner.buffers.block_tables.device[:1, :2]
+        return self._forward(
+            self.runner.kv_cache.kv,
+            input_ids,
+            positions,
+            batch.slot_mapping,
+            block_tables,
+            batch.seq_lens,
+        )
+
+    def warm_up(self) -> None:
+        """Compile the graph by running a decode step into the pool's first blocks: call it
+        before any request holds them."""
+        start = time.perf_counter()
+        runner = self.runner
+        num_blocks = runner.kv_cache.kv.shape[2]
+        runner.execute(decode_probe(1, 0, 2 * runner.block_size, runner.block_size, num_blocks))
+        logger.info("compiled the CPU decode step in %.1f s", time.perf_counter() - start)
