@@ -4,7 +4,8 @@ profile_cpu.py's 33.6M-parameter Llama (fp32, 128-token prompts, greedy), steppe
 one JSON line: the median and 10th percentile of the decode steps' times per round (noise only
 adds time, so the low percentile resolves what the median does not).
 
-Which package runs is PYTHONPATH's choice; run the two alternately, round for round:
+Which package runs is PYTHONPATH's choice (and `--enforce-eager` keeps a package's CPU decode
+steps uncompiled); run the two alternately, round for round:
 
     git worktree add bench/.baseline <commit>
     for i in 1 2 3; do
@@ -27,12 +28,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--label", required=True)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--enforce-eager", action="store_true", help="no compiled one-row decode steps"
+    )
     args = parser.parse_args()
     import metrale
     from metrale import LLM
 
     path = checkpoint(ROOT / ".cache" / "llama-34m")
-    llm = LLM(model_from_path=str(path), dtype="float32", enable_prefix_caching=False)
+    llm = LLM(
+        model_from_path=str(path),
+        dtype="float32",
+        enable_prefix_caching=False,
+        enforce_eager=args.enforce_eager,
+    )
     result: dict[str, object] = {"label": args.label, "package": str(Path(metrale.__file__).parent)}
     for streams in (1, 16):
         decode_steps(llm, streams, f"warm{streams}")

@@ -7,7 +7,7 @@ For each: wall ms per decode step; cProfile's split of a step among the engine's
 top operators by self CPU time, and how many operators a step dispatches; then the step's
 one-row products alone against the machine's read bandwidth. Writes a text report.
 
-    python bench/profile_cpu.py [--out bench/results/profile_cpu-DATE.txt]
+    python bench/profile_cpu.py [--enforce-eager] [--out bench/results/profile_cpu-DATE.txt]
 """
 
 from __future__ import annotations
@@ -135,11 +135,22 @@ def report(llm: LLM, streams: int, lines: list[str]) -> None:
     lines.append("")
 
 
+def linear_weights(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Each linear layer's dense weight (read back out of oneDNN's layout where it was
+    prepacked and dropped)."""
+    from metrale.layers.linear import Linear
+
+    return [
+        m.weight.detach() if m.weight is not None else m.onednn.to_dense()
+        for m in model.modules()
+        if isinstance(m, Linear)
+    ]
+
+
 def matmul_chain(llm: LLM, lines: list[str]) -> None:
     """A decode step's 33 one-row products alone, over the model's own weights in order (each
     read once a step, from memory, as in the engine), against the machine's read bandwidth."""
-    model = llm.engine.runner.model
-    weights = [p for n, p in model.named_parameters() if p.dim() == 2 and "embed" not in n]
+    weights = linear_weights(llm.engine.runner.model)
 
     def chain(dtype: torch.dtype, threads: int, onednn: bool = False) -> float:
         ws = [w.detach().to(dtype) for w in weights]
@@ -192,13 +203,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     date = datetime.date.today().isoformat()
     parser.add_argument("--out", type=Path, default=ROOT / "results" / f"profile_cpu-{date}.txt")
+    parser.add_argument(
+        "--enforce-eager", action="store_true", help="no compiled one-row decode steps"
+    )
     args = parser.parse_args()
     path = checkpoint(ROOT / ".cache" / "llama-34m")
-    llm = LLM(model_from_path=str(path), dtype="float32", enable_prefix_caching=False)
-    params = sum(p.numel() for p in llm.engine.runner.model.parameters()) / 1e6
+    llm = LLM(
+        model_from_path=str(path),
+        dtype="float32",
+        enable_prefix_caching=False,
+        enforce_eager=args.enforce_eager,
+    )
+    model = llm.engine.runner.model
+    params = (
+        sum(w.numel() for w in linear_weights(model)) + model.model.embed_tokens.weight.numel()
+    ) / 1e6
+    compiled = "eager" if llm.engine.runner.compiled is None else "one-row steps compiled"
     lines = [
         f"# CPU engine step profile, {date}: {torch.get_num_threads()} torch threads, "
-        f"torch {torch.__version__}, {path.name} ({params:.1f}M parameters, fp32)",
+        f"torch {torch.__version__}, {path.name} ({params:.1f}M parameters, fp32), {compiled}",
         "",
     ]
     for streams in (1, 16):
