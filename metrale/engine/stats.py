@@ -96,6 +96,7 @@ def forward_info(core: EngineCore) -> ForwardInfo:
         kernels=dict(_KERNELS.get(backend, {})),
         programmatic_dependent_launch=cuda and backend == "triton" and _pdl(config.device),
         cuda_graph_batch_sizes=sorted(graphs.graphs) if graphs is not None else [],
+        compiled_decode=core.runner.compiled is not None,
         kv_cache_dtype=name(config.cache.dtype),
         kv_block_size=config.cache.block_size,
         num_kv_blocks=core.scheduler.kv_cache.pool.num_blocks,

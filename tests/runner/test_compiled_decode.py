@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from metrale import LLM, SamplingParams
+from metrale.engine.stats import forward_info
 from tests.conftest import build_checkpoint
 from tests.entrypoints.test_llm_matches_transformers import (
     GREEDY,
@@ -51,7 +52,7 @@ def test_requests_alone_match_transformers(case, scheduling):
     model_dir, prompts, refs = case
     llm = LLM(model_from_path=str(model_dir), dtype="float32", scheduler_config=scheduling)
     runner = llm.engine.runner
-    assert runner.compiled is not None
+    assert runner.compiled is not None and forward_info(llm.engine).compiled_decode
     graphs, steps = unique_graphs(), runner.num_compiled_steps
     outputs = [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in prompts]
     check(outputs, refs, "compiled decode")
@@ -106,3 +107,4 @@ def test_paths_it_cannot_run_stay_eager(tmp_path):
     for flags in ({"enforce_eager": True}, {"kv_cache_dtype": "fp8"}):
         llm = LLM(model_from_path=str(model_dir), dtype="float32", **flags)
         assert llm.engine.runner.compiled is None, flags
+        assert not forward_info(llm.engine).compiled_decode
