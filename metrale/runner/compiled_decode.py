@@ -91,6 +91,10 @@ class CompiledDecode:
     def warm_up(self) -> None:
         """Compile the graph by running a decode step into the pool's first blocks: call it
         before any request holds them."""
+        logger.info(
+            "compiling the one-row decode step (torch.compile: a minute or two on a small CPU the "
+            "first time, less once cached; --enforce-eager skips it)"
+        )
         start = time.perf_counter()
         runner = self.runner
         num_blocks = runner.kv_cache.kv.shape[2]
