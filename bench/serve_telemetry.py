@@ -68,9 +68,10 @@ SAMPLED = tuple(
 )
 
 
-def dummy_checkpoint() -> Path:
-    path = Path(tempfile.mkdtemp(prefix="bench-telemetry-"))
-    (path / "config.json").write_text(json.dumps(QWEN3_06B_BODY))
+def dummy_checkpoint(config: dict = QWEN3_06B_BODY) -> Path:
+    """A directory of `config` beside the demo tokenizer's files, for `--load-format dummy`."""
+    path = Path(tempfile.mkdtemp(prefix="bench-dummy-"))
+    (path / "config.json").write_text(json.dumps(config))
     for f in (REPO / "metrale" / "demo" / "tokenizer").iterdir():
         shutil.copy(f, path / f.name)
     return path

@@ -23,7 +23,6 @@ import datetime
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -33,10 +32,9 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parent
-REPO = ROOT.parent
 sys.path.insert(0, str(ROOT))
 from gpu_suite import LLAMA_8B  # noqa: E402
-from serve_telemetry import free_port  # noqa: E402
+from serve_telemetry import dummy_checkpoint, free_port  # noqa: E402
 
 PHASE = re.compile(r"\[\s*(\d+)/\d+\] (.+?)\s+([\d.]+) s$", re.M)
 ENGINE = re.compile(
@@ -48,15 +46,6 @@ STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ", re.M)
 
 def stamp(line_start: str) -> float:
     return datetime.datetime.strptime(line_start, "%Y-%m-%d %H:%M:%S,%f").timestamp()
-
-
-def checkpoint() -> Path:
-    """The 8B shape's config beside the demo tokenizer's files."""
-    path = Path(tempfile.mkdtemp(prefix="bench-startup-"))
-    (path / "config.json").write_text(json.dumps(LLAMA_8B))
-    for f in (REPO / "metrale" / "demo" / "tokenizer").iterdir():
-        shutil.copy(f, path / f.name)
-    return path
 
 
 def first_token_s(url: str) -> float:
@@ -130,7 +119,7 @@ def main() -> None:
     parser.add_argument("--serve-args", default="", help="more `met serve` flags")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ROOT / "results")))
     args = parser.parse_args()
-    model = checkpoint()
+    model = dummy_checkpoint(LLAMA_8B)
     cache = Path(tempfile.mkdtemp(prefix="bench-triton-"))
     args.out.mkdir(parents=True, exist_ok=True)
     rounds = []
