@@ -225,8 +225,12 @@ def start(
     return process, f"http://127.0.0.1:{port}"
 
 
-def wait_healthy(process: subprocess.Popen, url: str, log: Path) -> None:
-    deadline = time.monotonic() + 600
+def wait_healthy(
+    process: subprocess.Popen, url: str, log: Path, poll_s: float = 0.5, limit_s: float = 600
+) -> None:
+    """Until `/health` answers 200, asking every `poll_s`; a server that exits or takes over
+    `limit_s` is a RuntimeError with its log's end."""
+    deadline = time.monotonic() + limit_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"server exited:\n{log.read_text()[-3000:]}")
@@ -235,7 +239,7 @@ def wait_healthy(process: subprocess.Popen, url: str, log: Path) -> None:
                 return
         except httpx.HTTPError:
             pass
-        time.sleep(0.5)
+        time.sleep(poll_s)
     raise RuntimeError(f"server did not start:\n{log.read_text()[-3000:]}")
 
 

@@ -34,7 +34,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 from gpu_suite import LLAMA_8B  # noqa: E402
-from serve_telemetry import dummy_checkpoint, free_port  # noqa: E402
+from serve_telemetry import dummy_checkpoint, free_port, wait_healthy  # noqa: E402
 
 PHASE = re.compile(r"\[\s*(\d+)/\d+\] (.+?)\s+([\d.]+) s$", re.M)
 ENGINE = re.compile(
@@ -76,17 +76,7 @@ def one_start(model: Path, triton_cache: Path, extra: list[str], log: Path) -> d
     start, spawned = time.perf_counter(), time.time()
     process = subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
     try:
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"server exited:\n{log.read_text()[-3000:]}")
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.perf_counter() - start > 600:
-                raise RuntimeError(f"not ready in 600 s:\n{log.read_text()[-3000:]}")
-            time.sleep(0.02)
+        wait_healthy(process, url, log, poll_s=0.02)
         ready = time.perf_counter() - start
         first, second = first_token_s(url), first_token_s(url)
     finally:
