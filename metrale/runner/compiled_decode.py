@@ -88,9 +88,10 @@ class CompiledDecode:
             batch.seq_lens,
         )
 
-    def warm_up(self) -> None:
+    def warm_up(self) -> bool:
         """Compile the graph by running a decode step into the pool's first blocks: call it
-        before any request holds them."""
+        before any request holds them. False (logged) where it cannot compile, e.g. on a machine
+        without the C++ compiler inductor calls: the steps then stay eager."""
         logger.info(
             "compiling the one-row decode step (torch.compile: a minute or two on a small CPU the "
             "first time, less once cached; --enforce-eager skips it)"
@@ -98,5 +99,17 @@ class CompiledDecode:
         start = time.perf_counter()
         runner = self.runner
         num_blocks = runner.kv_cache.kv.shape[2]
-        runner.execute(decode_probe(1, 0, 2 * runner.block_size, runner.block_size, num_blocks))
+        self.runner.compiled = self  # the warm-up step runs through it
+        try:
+            runner.execute(decode_probe(1, 0, 2 * runner.block_size, runner.block_size, num_blocks))
+        except Exception as e:  # whatever the compiler stack raises
+            logger.warning(
+                "could not compile the one-row decode step, it stays eager: %s: %s",
+                type(e).__name__,
+                str(e).strip().splitlines()[0] if str(e).strip() else "",
+            )
+            return False
+        finally:
+            self.runner.compiled = None
         logger.info("compiled the CPU decode step in %.1f s", time.perf_counter() - start)
+        return True

@@ -116,8 +116,9 @@ class ModelRunner:
         # On a CPU: decode steps compiled by torch.compile (the model keeps dense weights).
         self.compiled: CompiledDecode | None = None
         if compile_decode:
-            self.compiled = CompiledDecode(self)
-            self.compiled.warm_up()
+            compiled = CompiledDecode(self)
+            if compiled.warm_up():
+                self.compiled = compiled
 
     @property
     def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:

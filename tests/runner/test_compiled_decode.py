@@ -108,3 +108,19 @@ def test_paths_it_cannot_run_stay_eager(tmp_path):
         llm = LLM(model_from_path=str(model_dir), dtype="float32", **flags)
         assert llm.engine.runner.compiled is None, flags
         assert not forward_info(llm.engine).compiled_decode
+
+
+def test_without_a_cpp_compiler_the_steps_stay_eager(tmp_path, monkeypatch, caplog):
+    model_dir = build_checkpoint(tmp_path, "llama")
+    # What inductor finds on a machine without g++: a compiler that is not there, nothing cached
+    # (on disk, or in this process by an earlier test's engine).
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch._inductor.config.cpp, "cxx", (None, str(tmp_path / "no-g++")))
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
+    with caplog.at_level("WARNING", logger="metrale.runner.compiled_decode"):
+        llm = LLM(model_from_path=str(model_dir), dtype="float32")
+    assert llm.engine.runner.compiled is None
+    assert "could not compile the one-row decode step" in caplog.text
+    prompt = prompts_of([9])[0]
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 8
