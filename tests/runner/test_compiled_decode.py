@@ -132,3 +132,17 @@ def test_without_a_cpp_compiler_the_steps_stay_eager(tmp_path, monkeypatch, capl
     prompt = prompts_of([9])[0]
     out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 8
+
+
+@needs_compiler
+@pytest.mark.parametrize("arch", ["qwen2", "mistral"])
+def test_other_families_alone_match_transformers(arch, tmp_path):
+    # Qwen2's q/k/v biases go through the streamed products too.
+    model_dir = build_checkpoint(tmp_path, arch)
+    prompts = prompts_of((6, 30))
+    refs = hf_greedy(model_dir, prompts, MAX_NEW_TOKENS)
+    llm = LLM(model_from_path=str(model_dir), dtype="float32")
+    assert llm.engine.runner.compiled is not None
+    outputs = [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in prompts]
+    assert llm.engine.runner.num_compiled_steps > 2 * (MAX_NEW_TOKENS - 1)  # and the warm-up
+    check(outputs, refs, arch)
