@@ -74,15 +74,17 @@ class CompiledDecode:
         """Whether the step is one decode (no drafts) that samples."""
         return len(chunks) == 1 and chunks[0].samples and chunks[0].num_tokens == 1
 
-    def run(self, batch: StepBatch, input_ids: torch.Tensor, positions: torch.Tensor):
-        """The logits of the step `handles` accepted, laid out as `batch`."""
+    def run(self, batch: StepBatch) -> torch.Tensor:
+        """The logits of the step `handles` accepted, laid out as `batch` (its ids and positions
+        in the runner's input buffers, as `_fill_inputs` left them)."""
+        buffers = self.runner.buffers
         block_tables = batch.block_tables
         if block_tables.shape[1] < 2:  # a size of one would compile a second graph
-            block_tables = self.runner.buffers.block_tables.device[:1, :2]
+            block_tables = buffers.block_tables.device[:1, :2]
         return self._forward(
             self.runner.kv_cache.kv,
-            input_ids,
-            positions,
+            buffers.input_ids.device[:1],
+            buffers.positions.device[:1],
             batch.slot_mapping,
             block_tables,
             batch.seq_lens,

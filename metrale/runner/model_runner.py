@@ -113,7 +113,7 @@ class ModelRunner:
                 self, min(max_cuda_graph_batch, scheduler_config.max_batch_size)
             )
             self.graphs.capture()
-        # On a CPU: decode steps compiled by torch.compile (the model keeps dense weights).
+        # On a CPU: one-row decode steps compiled by torch.compile (the model keeps dense weights).
         self.compiled: CompiledDecode | None = None
         if compile_decode:
             compiled = CompiledDecode(self)
@@ -199,10 +199,7 @@ class ModelRunner:
             logits = graph.replay()[: self._num_samples]  # a row per token: all sample
             self.num_graph_replays += 1
         elif self.compiled is not None and self.compiled.handles(chunks):
-            batch = self._fill_inputs(chunks)
-            rows = batch.slot_mapping.shape[0]
-            b = self.buffers
-            logits = self.compiled.run(batch, b.input_ids.device[:rows], b.positions.device[:rows])
+            logits = self.compiled.run(self._fill_inputs(chunks))
             self.num_compiled_steps += 1
         else:
             input_ids, positions, meta, logits_indices = self._prepare_inputs(chunks, scheduled)
