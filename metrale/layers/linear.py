@@ -77,6 +77,18 @@ def streamed_product(
     return out if bias is None else out + bias
 
 
+def compiled_product(layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A one-row product inside a compiled CPU decode step: over the layer's packed GGUF copy
+    where it has one (`decode_packed`, read by `kernels/cpu_packed_gemv.py`), else streamed from
+    its dense weight."""
+    if layer.decode_packed is None:
+        return streamed_product(x, layer.weight, bias)
+    from metrale.kernels.cpu_packed_gemv import packed_gemv
+
+    out = packed_gemv(x, layer.decode_packed.fmt, *layer.decode_packed.parts)
+    return out if bias is None else out + bias
+
+
 # The batch size oneDNN lays a weight out for. One layout serves every step, and the one for 256
 # rows measured best at every size a step has (2 cores, fp32, peers.md's 33.6M Llama's weights:
 # 16 rows 1.6-2.0x faster than the layout for 1 row, prefill chunks of 512-2048 rows as fast or
@@ -86,8 +98,9 @@ ONEDNN_LAYOUT_ROWS = 256
 
 def prepack_for_cpu(model: nn.Module, keep_dense: bool = False) -> int:
     """Give every dense `Linear` of a CPU model its weight in oneDNN's layout, the dense copy
-    dropped unless `keep_dense` (compiled one-row decode steps stream it); the number of layers
-    prepacked (0 where oneDNN is absent or METRALE_ONEDNN=0).
+    dropped unless `keep_dense` (compiled one-row decode steps stream it; a layer with a
+    `decode_packed` copy reads that instead); the number of layers prepacked (0 where oneDNN is
+    absent or METRALE_ONEDNN=0).
 
     torch's CPU products of one row run on one core (bench/profile_cpu.py: 33.6M-parameter
     Llama, fp32, 2 cores: a decode step's products read 13 GB/s of the machine's 27-40); through
@@ -105,14 +118,16 @@ def prepack_for_cpu(model: nn.Module, keep_dense: bool = False) -> int:
         and m.weight.device.type == "cpu"
     ]
     for layer in layers:
-        layer.onednn_pack_(keep_dense)
+        layer.onednn_pack_(keep_dense and layer.decode_packed is None)
     return len(layers)
 
 
 class Linear(nn.Linear):
     """`fused`: one-row inputs take `gemv` (see `linear`), and a packed weight the quantized
     kernels (see `packed_linear`). `onednn`: the weight in oneDNN's layout (`prepack_for_cpu`);
-    then `weight` is None."""
+    then `weight` is None unless compiled steps read it. `decode_packed`: on a CPU serving a
+    GGUF file dequantized, the file's packed blocks of the weight too, which compiled one-row
+    decode steps read (`compiled_product`), a fraction of the dense weight's bytes."""
 
     def __init__(
         self, in_features: int, out_features: int, bias: bool, fused: bool = False
@@ -121,6 +136,12 @@ class Linear(nn.Linear):
         self.fused = fused
         self.packed: PackedWeight | None = None
         self.onednn: torch.Tensor | None = None
+        self.decode_packed: PackedWeight | None = None
+
+    @property
+    def streams(self) -> bool:
+        """Whether a compiled step can read this layer's weight (`compiled_product`)."""
+        return self.weight is not None or self.decode_packed is not None
 
     def pack_(self, fmt: str) -> None:
         """Give up the dense weight for a packed one of `fmt`, to be filled by loading."""
@@ -147,8 +168,8 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # `product`'s body inlined: the hot path of every unsplit layer, one call fewer
-        if torch.compiler.is_compiling() and self.weight is not None:  # a one-row CPU step
-            return streamed_product(x, self.weight, self.bias)
+        if torch.compiler.is_compiling() and self.streams:  # a one-row CPU step
+            return compiled_product(self, x, self.bias)
         if self.onednn is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.onednn, self.bias, "none", [], "")
         if self.packed is not None:
@@ -157,8 +178,8 @@ class Linear(nn.Linear):
 
     def product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x @ weight.T (+ `bias`), this rank's part only."""
-        if torch.compiler.is_compiling() and self.weight is not None:  # a one-row CPU step
-            return streamed_product(x, self.weight, bias)
+        if torch.compiler.is_compiling() and self.streams:  # a one-row CPU step
+            return compiled_product(self, x, bias)
         if self.onednn is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.onednn, bias, "none", [], "")
         if self.packed is not None:

