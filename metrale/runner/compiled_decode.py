@@ -25,6 +25,7 @@ import time
 from typing import TYPE_CHECKING
 
 import torch
+import torch.fx.experimental._config as fx_config
 
 from metrale.engine.step import ScheduledChunk
 from metrale.layers.attention import StepBatch
@@ -102,8 +103,14 @@ class CompiledDecode:
         runner = self.runner
         num_blocks = runner.kv_cache.kv.shape[2]
         self.runner.compiled = self  # the warm-up step runs through it
+        # Each size a symbol of its own: by default the tracer gives equal sizes one symbol, so
+        # the warm-up's block-table width (3) fused with a model's 3 KV heads (SmolLM2), a
+        # constant, and every request of another width compiled again (~20 s).
         try:
-            runner.execute(decode_probe(1, 0, 2 * runner.block_size, runner.block_size, num_blocks))
+            with fx_config.patch(use_duck_shape=False):
+                runner.execute(
+                    decode_probe(1, 0, 2 * runner.block_size, runner.block_size, num_blocks)
+                )
         except Exception as e:  # whatever the compiler stack raises
             logger.warning(
                 "could not compile the one-row decode step, it stays eager: %s: %s",

@@ -188,11 +188,14 @@ def test_steps_over_packed_gguf_blocks_match_transformers(tiny_gguf, scheduling)
     assert head.decode_packed.fmt == "Q8_0"
     assert {m.decode_packed.fmt for m in linears if m is not head} == {"Q4_1"}
     assert all(m.weight is None for m in linears if m is not head)
-    steps = runner.num_compiled_steps
+    graphs, steps = unique_graphs(), runner.num_compiled_steps
     outputs = [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in prompts]
     check(outputs, refs, "compiled decode over packed blocks")
     one_row = sum(MAX_NEW_TOKENS - 1 + (len(p) == 1) for p in prompts)
     assert runner.num_compiled_steps - steps == one_row
+    # No request compiled again, whatever its block table's width (1 to 6 blocks here; the
+    # warm-up's, 3, is also the number of KV heads).
+    assert unique_graphs() == graphs
     # Batched, chunked and preempted: eager steps (oneDNN over the dequantized weights) between
     # the compiled ones, over the same pool.
     llm = LLM(model_from_path=str(path), dtype="float32", max_prefill_tokens=7, num_kv_blocks=12)
