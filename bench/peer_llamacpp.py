@@ -107,9 +107,9 @@ def metrale_cmd(gguf: Path, port: int, packed: bool) -> list[str]:
     return cmd + (["--quantization", "gguf"] if packed else [])
 
 
-def llamacpp_cmd(python: str, gguf: Path, port: int) -> list[str]:
+def llamacpp_cmd(python: str, gguf: Path, port: int, alias: str = "smollm") -> list[str]:
     return [
-        python, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", "smollm",
+        python, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", alias,
         "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "2048", "--n_threads", "2",
         "--n_threads_batch", "2", "--interrupt_requests", "False",
     ]  # fmt: skip
