@@ -42,6 +42,13 @@ def compile_cpu_decode() -> bool:
     return os.environ.get("METRALE_COMPILE_CPU_DECODE", "1") != "0"
 
 
+def cpu_kernels() -> bool:
+    """Whether a CPU engine runs Metrale's C++ kernels (`kernels.cpu_extension`: packed GGUF
+    products in compiled decode steps, paged decode attention in eager ones) where they build:
+    METRALE_CPU_KERNELS=0 keeps the torch paths."""
+    return os.environ.get("METRALE_CPU_KERNELS", "1") != "0"
+
+
 def tcmalloc() -> bool:
     """Whether a CPU engine process starts with the system's tcmalloc preloaded
     (`engine.allocator`): METRALE_TCMALLOC=0 keeps glibc's malloc."""

@@ -79,11 +79,11 @@ def streamed_product(
 
 def compiled_product(layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """A one-row product inside a compiled CPU decode step: over the layer's packed GGUF copy
-    where it has one (`decode_packed`, read by `kernels/cpu_packed_gemv.py`), else streamed from
+    where it has one (`decode_packed`, read by `kernels/cpu_extension.py`), else streamed from
     its dense weight."""
     if layer.decode_packed is None:
         return streamed_product(x, layer.weight, bias)
-    from metrale.kernels.cpu_packed_gemv import packed_gemv
+    from metrale.kernels.cpu_extension import packed_gemv
 
     out = packed_gemv(x, layer.decode_packed.fmt, *layer.decode_packed.parts)
     return out if bias is None else out + bias

@@ -172,7 +172,7 @@ def load_decode_packed(
     embedding's), which compiled one-row CPU decode steps read: Q4_1 is 0.625 bytes a value
     where float32 is 4. The number of layers given one (0 where the kernel that reads them
     cannot be built)."""
-    from metrale.kernels import cpu_packed_gemv
+    from metrale.kernels import cpu_extension
 
     types = gguf.tensor_types(checked)
     targets: dict[str, list[tuple[Linear, int]]] = defaultdict(list)
@@ -193,7 +193,7 @@ def load_decode_packed(
     ):
         layers["lm_head"] = (head, types[embedding])
         targets[embedding].append((head, 0))
-    if not layers or not cpu_packed_gemv.available():
+    if not layers or not cpu_extension.enabled():
         return 0
     for layer, fmt in layers.values():
         layer.decode_packed = PackedWeight.empty(fmt, layer.out_features, layer.in_features, device)

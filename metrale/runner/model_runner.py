@@ -29,6 +29,7 @@ from metrale.engine.step import (
     ScheduledChunk,
     SchedulerOutput,
 )
+from metrale.kernels import cpu_extension
 from metrale.layers.attention import AttentionMetadata, StepBatch, metadata_builder
 from metrale.runner.compiled_decode import CompiledDecode
 from metrale.runner.cuda_graphs import DecodeGraphs
@@ -105,6 +106,8 @@ class ModelRunner:
         # Fired when a step's host-to-device copies are done and its pinned buffers free again.
         self._inputs_copied = torch.cuda.Event() if device.type == "cuda" else None
         self.build_metadata = metadata_builder(attention_backend)
+        if device.type == "cpu" and attention_backend == "torch":
+            cpu_extension.enabled()  # built now (once a machine), not in a request's step
         # Rank 0 of several tensor-parallel ranks: it sends each step to the others.
         self.leads_ranks = tp_size() > 1 and tp_rank() == 0
         self.graphs: DecodeGraphs | None = None

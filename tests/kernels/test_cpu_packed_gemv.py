@@ -1,4 +1,4 @@
-"""The CPU kernel of one-row products over packed GGUF weights (`kernels/cpu_packed_gemv.py`):
+"""The CPU kernel of one-row products over packed GGUF weights (`kernels/cpu_extension.py`):
 built with g++ on first use, it equals the float32 product over the dequantized weight for every
 format, at shapes whose blocks do and do not fill its four-block turns and whose rows do and do
 not fill a thread's share; wrong inputs are errors, not wrong numbers; where it cannot be built
@@ -12,7 +12,7 @@ import shutil
 import pytest
 import torch
 
-from metrale.kernels import cpu_packed_gemv
+from metrale.kernels import cpu_extension
 from metrale.kernels.quant_layout import FORMAT_IDS, FORMATS, matmul_ref, random_packed
 
 needs_compiler = pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ to build with")
@@ -22,10 +22,10 @@ needs_compiler = pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("n, k", [(1, 32), (5, 96), (130, 160), (257, 576), (64, 1536)])
 def test_equals_the_product_over_the_dequantized_weight(fmt, n, k):
-    assert cpu_packed_gemv.available()
+    assert cpu_extension.available()
     parts = random_packed(fmt, n, k, "cpu", seed=n + k)
     x = torch.randn(1, k, generator=torch.Generator().manual_seed(k))
-    got = cpu_packed_gemv.packed_gemv(x, fmt, *parts)
+    got = cpu_extension.packed_gemv(x, fmt, *parts)
     expected = matmul_ref(x, fmt, *parts, None, torch.float32)
     assert got.shape == (1, n) and got.dtype == torch.float32
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
@@ -36,14 +36,14 @@ def test_a_non_contiguous_row_reads_as_its_values():
     parts = random_packed("Q4_1", 40, 64, "cpu")
     x = torch.randn(64, 2)[:, 0][None]  # a strided view
     expected = matmul_ref(x.contiguous(), "Q4_1", *parts, None, torch.float32)
-    torch.testing.assert_close(cpu_packed_gemv.packed_gemv(x, "Q4_1", *parts), expected)
+    torch.testing.assert_close(cpu_extension.packed_gemv(x, "Q4_1", *parts), expected)
 
 
 @needs_compiler
 def test_inputs_that_do_not_fit_are_errors():
     q, s, m = random_packed("Q4_1", 8, 64, "cpu")
     op = torch.ops.metrale_cpu.packed_gemv
-    assert cpu_packed_gemv.available()
+    assert cpu_extension.available()
     with pytest.raises(RuntimeError, match="columns"):
         op(torch.randn(1, 32), q, s, m, FORMAT_IDS["Q4_1"])
     with pytest.raises(RuntimeError, match=r"float32 \[1, K\]"):
@@ -60,11 +60,11 @@ def test_a_failed_build_is_reported_not_raised(monkeypatch, caplog):
     def no_compiler(*args, **kwargs):
         raise RuntimeError("Error building extension: g++: not found")
 
-    monkeypatch.setattr(torch.utils.cpp_extension, "load_inline", no_compiler)
-    cpu_packed_gemv.available.cache_clear()
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", no_compiler)
+    cpu_extension.available.cache_clear()
     try:
-        with caplog.at_level("WARNING", logger="metrale.kernels.cpu_packed_gemv"):
-            assert not cpu_packed_gemv.available()
-        assert "could not build the CPU kernel for packed GGUF weights" in caplog.text
+        with caplog.at_level("WARNING", logger="metrale.kernels.cpu_extension"):
+            assert not cpu_extension.available()
+        assert "could not build Metrale's CPU kernels" in caplog.text
     finally:
-        cpu_packed_gemv.available.cache_clear()
+        cpu_extension.available.cache_clear()

@@ -6,7 +6,7 @@ batched with chunked prefill and preemption (compiled steps between eager ones o
 pool); speculation's plain steps run compiled between its verify steps with the outputs of plain
 decoding; one graph serves every context length; `--enforce-eager` and the paths it cannot run
 keep the eager steps. Served from a GGUF file, the compiled steps read the file's packed blocks
-(`kernels/cpu_packed_gemv.py`) and still give transformers' tokens.
+(`kernels/cpu_extension.py`) and still give transformers' tokens.
 """
 
 from __future__ import annotations
@@ -207,11 +207,11 @@ def test_steps_over_packed_gguf_blocks_match_transformers(tiny_gguf, scheduling)
 
 @needs_smollm
 def test_without_the_packed_kernel_the_steps_stream_the_dense_weights(tiny_gguf, monkeypatch):
-    from metrale.kernels import cpu_packed_gemv
+    from metrale.kernels import cpu_extension
 
     # What a machine where the kernel cannot be built gets (its build failure is tested in
-    # tests/kernels/test_cpu_packed_gemv.py): the compiled steps read the dense weights.
-    monkeypatch.setattr(cpu_packed_gemv, "available", lambda: False)
+    # tests/kernels/test_cpu_extension.py): the compiled steps read the dense weights.
+    monkeypatch.setattr(cpu_extension, "available", lambda: False)
     path, prompts, refs = tiny_gguf
     llm = LLM(model_from_path=str(path), dtype="float32", enforce_eager=not shutil.which("g++"))
     linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, Linear)]

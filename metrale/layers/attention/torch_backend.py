@@ -3,7 +3,9 @@
 It gathers each request's blocks into a [batch, context] view and calls
 `scaled_dot_product_attention`: all decode tokens of the step in one call, each prefill chunk in
 its own (padding one-token queries to the length of a prompt chunk would multiply the work of
-every decode in a mixed step).
+every decode in a mixed step). On a CPU with a float32 cache the decode tokens instead attend
+through `paged_decode_attention` (`kernels/cpu_extension.py`), which reads their blocks in place
+(16 rows of peers.md's 33.6M Llama: ~220 against ~320 us a layer for the gather and SDPA).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from metrale.config import is_fp8
+from metrale.kernels import cpu_extension
 from metrale.layers.attention import Attention, Rotary, StepBatch, to_cache_dtype
 
 
@@ -26,6 +29,11 @@ class DecodeGroup:
     block_ids: torch.Tensor  # [num_seqs * max_blocks] their block tables, padded, flattened
     mask: torch.Tensor  # [num_seqs, 1, 1, max_blocks * block_size] bool: keys each may see
     num_seqs: int
+    # For `paged_decode_attention` (None: the gather and SDPA): their block tables [num_seqs,
+    # max_blocks], the slots each sees, the sliding window.
+    block_tables: torch.Tensor | None = None
+    seq_lens: torch.Tensor | None = None
+    sliding_window: int | None = None
 
 
 @dataclass(frozen=True)
@@ -62,11 +70,18 @@ class TorchAttentionMetadata:
             positions = torch.from_numpy(start_positions[decode_seqs]).to(device)
             keys = torch.arange(num_blocks * block_size, device=device)
             mask = _visible(keys[None, :], positions[:, None], sliding_window)
+            tables = block_tables[rows, :num_blocks]
+            in_place = device.type == "cpu" and cpu_extension.enabled()
             decode = DecodeGroup(
                 token_idx=torch.from_numpy(query_start_loc[decode_seqs]).to(device),
-                block_ids=block_tables[rows, :num_blocks].flatten(),
+                block_ids=tables.flatten(),
                 mask=mask[:, None, None, :],
                 num_seqs=len(decode_seqs),
+                block_tables=tables if in_place else None,
+                seq_lens=torch.from_numpy(seq_lens[decode_seqs].astype(np.int64))
+                if in_place
+                else None,
+                sliding_window=sliding_window,
             )
         prefills = []
         for seq in np.flatnonzero(query_lens > 1):
@@ -97,12 +112,10 @@ class TorchAttentionMetadata:
         _store(layer.v_cache.view(slots), self.slot_mapping, v)
         d = self.decode
         if d is not None and not self.prefills:  # decode only: rows already in order
-            return _attend(layer, q.unsqueeze(1), d.block_ids, d.num_seqs, d.mask).squeeze(1)
+            return _attend_decodes(layer, q, d)
         out = torch.empty_like(q)
         if d is not None:
-            out[d.token_idx] = _attend(
-                layer, q[d.token_idx].unsqueeze(1), d.block_ids, d.num_seqs, d.mask
-            ).squeeze(1)
+            out[d.token_idx] = _attend_decodes(layer, q[d.token_idx], d)
         for p in self.prefills:
             out[p.start : p.end] = _attend(
                 layer, q[p.start : p.end].unsqueeze(0), p.block_ids, 1, p.mask
@@ -132,6 +145,22 @@ def _visible(
     if sliding_window is not None:
         mask &= key_pos > query_pos - sliding_window
     return mask
+
+
+def _attend_decodes(layer: Attention, q: torch.Tensor, d: DecodeGroup) -> torch.Tensor:
+    """The decode rows' attention, q [num_seqs, num_heads, head_dim]: read in place by the CPU
+    kernel where it takes them (float32 throughout, a head size of a multiple of 16), else
+    gathered and through SDPA."""
+    if (
+        d.block_tables is not None
+        and q.dtype == layer.k_cache.dtype == torch.float32
+        and layer.head_dim % 16 == 0
+    ):
+        return cpu_extension.paged_decode_attention(
+            q, layer.k_cache, layer.v_cache, d.block_tables, d.seq_lens, layer.scale,
+            d.sliding_window,
+        )  # fmt: skip
+    return _attend(layer, q.unsqueeze(1), d.block_ids, d.num_seqs, d.mask).squeeze(1)
 
 
 def _attend(

@@ -1,0 +1,116 @@
+"""The CPU kernels written in C++ (`kernels/cpu/*.cpp`), built on first use into one library whose
+ops (`metrale_cpu::*`) eager code and compiled graphs call as they are:
+
+- `packed_gemv`: one-row products over packed GGUF weights, Q8_0 / Q4_0 / Q4_1 blocks read as
+  they lie (`kernels/quant_layout.py`), for the compiled one-row decode steps
+  (`runner/compiled_decode.py`). A one-row step reads every weight once, so its time is the
+  bytes it reads: served dequantized, SmolLM2-135M's Q4_1 file (97 MB) is 540 MB of float32 a
+  step. Inductor's own loops over the nibbles did not vectorize (1-3 GB/s on 2 cores), and
+  aten's int4 CPU product ran 0.8 GB/s; this kernel reads them at ~17 GB/s, per 32-value block
+  `d * (q . x) + m * sum(x)` in float32 (the dequantized weight's values, only the order of the
+  sums differs).
+- `paged_decode_attention`: decode rows attending over the paged KV cache in place, one pass
+  with an online softmax, for the eager steps of several decodes (`torch_backend.py`), which
+  otherwise gather every row's blocks into a padded copy and then run SDPA over it.
+
+They are compiled by torch's C++ extension builder (g++ and ninja, `-O3 -march=native
+-fopenmp`: ~30 s on 2 cores), cached on disk per machine kind (`~/.cache/torch_extensions`).
+`available()` is False where they cannot be built (no compiler): the callers then take their
+torch paths.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import platform
+from pathlib import Path
+
+import torch
+
+from metrale import envs
+from metrale.kernels.quant_layout import FORMAT_IDS
+
+logger = logging.getLogger(__name__)
+
+_SOURCES = sorted((Path(__file__).parent / "cpu").glob("*.cpp"))
+_traceable = False  # the ops' fake (tracing) implementations are registered
+
+
+def _machine_tag() -> str:
+    """A short hash of what `-march=native` compiles for: the build is cached per machine kind."""
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        pass
+    return hashlib.sha256(f"{platform.machine()} {flags}".encode()).hexdigest()[:10]
+
+
+def enabled() -> bool:
+    """Whether the CPU kernels run: built (`available`) and not turned off by
+    METRALE_CPU_KERNELS=0."""
+    return envs.cpu_kernels() and available()
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the kernels are built and their ops registered (built now if need be, once a
+    process)."""
+    from torch.utils.cpp_extension import load
+
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES)).hexdigest()[:10]
+    logger.info("loading Metrale's CPU kernels (built once a machine, ~30 s)")
+    try:
+        load(
+            f"metrale_cpu_{digest}_{_machine_tag()}",
+            sources=[str(p) for p in _SOURCES],
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+            verbose=False,
+        )
+    except Exception as e:  # no compiler, no ninja, a failed build: whatever the builder raises
+        logger.warning(
+            "could not build Metrale's CPU kernels (packed GGUF products, paged decode "
+            "attention); the torch paths run instead: %s: %s",
+            type(e).__name__,
+            str(e).strip().splitlines()[0] if str(e).strip() else "",
+        )
+        return False
+    global _traceable
+    if not _traceable:  # once a process, however often the build is looked up again
+        torch.library.register_fake("metrale_cpu::packed_gemv")(_fake)
+        _traceable = True
+    return True
+
+
+def _fake(x, qweight, scales, mins, fmt):
+    """The op's output, for tracing: [rows of x, rows of the weight]."""
+    return x.new_empty((x.shape[0], scales.shape[0]))
+
+
+def packed_gemv(
+    x: torch.Tensor, fmt: str, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor
+) -> torch.Tensor:
+    """x [1, K] float32 @ dequant(weight).T, the weight's parts as `PackedWeight` holds them."""
+    return torch.ops.metrale_cpu.packed_gemv(x, qweight, scales, mins, FORMAT_IDS[fmt])
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """Each row of q ([rows, heads, D] float32) attending over the first `seq_lens[i]` slots of
+    its block table (int64 [rows, max_blocks]) in the caches ([blocks, block_size, kv_heads, D]
+    float32), the last `sliding_window` of them if set: [rows, heads, D]."""
+    return torch.ops.metrale_cpu.paged_decode_attention(
+        q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window or 0
+    )

@@ -1,0 +1,81 @@
+"""The CPU kernel of decode attention over the paged cache (`kernels/cpu_extension.py`): each row
+equals SDPA over its own slots gathered out of the pool, for groups of 1, 2 and 3 query heads a
+KV head, contexts of one slot, a block's end and a whole table, blocks in any order, and a
+sliding window; inputs it cannot read are errors, not wrong numbers.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from metrale.kernels import cpu_extension
+
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ to build with")
+BLOCK = 16
+
+
+def pool(num_blocks: int, kv_heads: int, head_dim: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    shape = (num_blocks, BLOCK, kv_heads, head_dim)
+    return torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+
+
+def reference(q, k_cache, v_cache, block_tables, seq_lens, scale, window):
+    kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    group = q.shape[1] // kv_heads
+    out = []
+    for row, (table, length) in enumerate(zip(block_tables, seq_lens.tolist(), strict=True)):
+        slots = (table[:, None] * BLOCK + torch.arange(BLOCK)).flatten()[:length]
+        if window:
+            slots = slots[-window:]
+        keys = k_cache.view(-1, kv_heads, head_dim)[slots].transpose(0, 1)
+        values = v_cache.view(-1, kv_heads, head_dim)[slots].transpose(0, 1)
+        o = F.scaled_dot_product_attention(
+            q[row][:, None],
+            keys.repeat_interleave(group, 0),
+            values.repeat_interleave(group, 0),
+            scale=scale,
+        )
+        out.append(o[:, 0])
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (8, 4), (6, 2)])
+@pytest.mark.parametrize("window", [None, 5, 40])
+def test_rows_equal_sdpa_over_their_own_slots(heads, kv_heads, window):
+    assert cpu_extension.available()
+    head_dim, num_blocks, max_blocks = 32, 40, 6
+    k_cache, v_cache = pool(num_blocks, kv_heads, head_dim)
+    g = torch.Generator().manual_seed(heads + kv_heads)
+    # One slot; a block's last; into a second block; a whole table; others at random.
+    lengths = [1, BLOCK, BLOCK + 1, max_blocks * BLOCK, 50, 77, 3]
+    block_tables = torch.stack(
+        [torch.randperm(num_blocks, generator=g)[:max_blocks] for _ in lengths]
+    )
+    seq_lens = torch.tensor(lengths)
+    q = torch.randn(len(lengths), heads, head_dim, generator=g)
+    args = (q, k_cache, v_cache, block_tables, seq_lens, 0.2)
+    got = cpu_extension.paged_decode_attention(*args, window)
+    torch.testing.assert_close(got, reference(*args, window), rtol=1e-5, atol=1e-5)
+
+
+def test_inputs_it_cannot_read_are_errors():
+    assert cpu_extension.available()
+    k_cache, v_cache = pool(4, 2, 32)
+    q = torch.randn(1, 4, 32)
+    tables = torch.tensor([[0, 1]])
+    attend = cpu_extension.paged_decode_attention
+    with pytest.raises(RuntimeError, match="sees 33 slots"):
+        attend(q, k_cache, v_cache, tables, torch.tensor([33]), 1.0, None)
+    with pytest.raises(RuntimeError, match="not in the pool"):
+        attend(q, k_cache, v_cache, torch.tensor([[0, 9]]), torch.tensor([20]), 1.0, None)
+    with pytest.raises(RuntimeError, match="int64"):
+        attend(q, k_cache, v_cache, tables.int(), torch.tensor([3]), 1.0, None)
+    with pytest.raises(RuntimeError, match="float32"):
+        attend(q.half(), k_cache, v_cache, tables, torch.tensor([3]), 1.0, None)
+    with pytest.raises(RuntimeError, match="query heads"):
+        attend(torch.randn(1, 3, 32), k_cache, v_cache, tables, torch.tensor([3]), 1.0, None)
