@@ -30,29 +30,12 @@ inline float to_float(c10::Half h) {
 }
 
 #if defined(__AVX512F__)
-inline __m512 sum4(const __m512* acc) {
-  return _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
-}
-#endif
-
-// sum_b d[b] * (q_b . x_b) of a 4-bit row; xe and xo are x's even and odd columns (byte j of a
-// block holds columns 2j in its low nibble and 2j + 1 in its high one).
-inline float dot_q4(const uint8_t* q, const c10::Half* d, const float* xe, const float* xo,
-                    int64_t blocks) {
-#if defined(__AVX512F__)
-  // Four blocks a turn into four sums, so their dependency chains run side by side.
+// The sum over a row's blocks of block(b, sum), which adds block b's 16 lanes into `sum`: four
+// blocks a turn into four sums, so that their dependency chains run side by side.
+template <typename Block>
+inline float sum_blocks(int64_t blocks, Block block) {
   __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
                    _mm512_setzero_ps()};
-  const __m512i nibble = _mm512_set1_epi32(15);
-  auto block = [&](int64_t b, __m512& sum) {
-    const __m512i bytes =
-        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * 16)));
-    const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, nibble));
-    const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
-    const __m512 t = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xe + b * 16),
-                                     _mm512_mul_ps(hi, _mm512_loadu_ps(xo + b * 16)));
-    sum = _mm512_fmadd_ps(t, _mm512_set1_ps(to_float(d[b])), sum);
-  };
   int64_t b = 0;
   for (; b + 4 <= blocks; b += 4) {
     block(b, acc[0]);
@@ -61,7 +44,26 @@ inline float dot_q4(const uint8_t* q, const c10::Half* d, const float* xe, const
     block(b + 3, acc[3]);
   }
   for (; b < blocks; ++b) block(b, acc[0]);
-  return _mm512_reduce_add_ps(sum4(acc));
+  return _mm512_reduce_add_ps(
+      _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
+}
+#endif
+
+// sum_b d[b] * (q_b . x_b) of a 4-bit row; xe and xo are x's even and odd columns (byte j of a
+// block holds columns 2j in its low nibble and 2j + 1 in its high one).
+inline float dot_q4(const uint8_t* q, const c10::Half* d, const float* xe, const float* xo,
+                    int64_t blocks) {
+#if defined(__AVX512F__)
+  const __m512i nibble = _mm512_set1_epi32(15);
+  return sum_blocks(blocks, [&](int64_t b, __m512& sum) {
+    const __m512i bytes =
+        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * 16)));
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, nibble));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
+    const __m512 t = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xe + b * 16),
+                                     _mm512_mul_ps(hi, _mm512_loadu_ps(xo + b * 16)));
+    sum = _mm512_fmadd_ps(t, _mm512_set1_ps(to_float(d[b])), sum);
+  });
 #else
   float acc[16] = {0};
   for (int64_t b = 0; b < blocks; ++b) {
@@ -81,9 +83,7 @@ inline float dot_q4(const uint8_t* q, const c10::Half* d, const float* xe, const
 // sum_b d[b] * (q_b . x_b) of a Q8_0 row.
 inline float dot_q8(const int8_t* q, const c10::Half* d, const float* x, int64_t blocks) {
 #if defined(__AVX512F__)
-  __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
-                   _mm512_setzero_ps()};
-  auto block = [&](int64_t b, __m512& sum) {
+  return sum_blocks(blocks, [&](int64_t b, __m512& sum) {
     const __m128i* p = reinterpret_cast<const __m128i*>(q + b * kBlock);
     const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p)));
     const __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p + 1)));
@@ -91,16 +91,7 @@ inline float dot_q8(const int8_t* q, const c10::Half* d, const float* x, int64_t
     const __m512 t =
         _mm512_fmadd_ps(q0, _mm512_loadu_ps(xb), _mm512_mul_ps(q1, _mm512_loadu_ps(xb + 16)));
     sum = _mm512_fmadd_ps(t, _mm512_set1_ps(to_float(d[b])), sum);
-  };
-  int64_t b = 0;
-  for (; b + 4 <= blocks; b += 4) {
-    block(b, acc[0]);
-    block(b + 1, acc[1]);
-    block(b + 2, acc[2]);
-    block(b + 3, acc[3]);
-  }
-  for (; b < blocks; ++b) block(b, acc[0]);
-  return _mm512_reduce_add_ps(sum4(acc));
+  });
 #else
   float acc[kBlock] = {0};
   for (int64_t b = 0; b < blocks; ++b) {
