@@ -123,10 +123,9 @@ def load_model(
     return model.eval().requires_grad_(False)
 
 
-def packable_linears(model: nn.Module, types: dict[str, str]) -> dict[str, list[str]]:
-    """{linear layer: the checkpoint tensors that fill it} for every layer whose tensors (one,
-    or the shards of a fused matrix) share one packable type (`types`: {checkpoint name: GGUF
-    type}); layers of other types are logged, once, by `pack_linears`."""
+def linear_shards(model: nn.Module, types: dict[str, str]) -> dict[str, list[str]]:
+    """{linear layer: the checkpoint tensors that fill its weight} (one, or the shards of a
+    fused matrix), for the tensors in `types` ({checkpoint name: GGUF type})."""
     shards: dict[str, list[str]] = defaultdict(list)
     for name in types:
         target, _ = model.weight_target(name)  # type: ignore[operator]
@@ -137,6 +136,7 @@ def packable_linears(model: nn.Module, types: dict[str, str]) -> dict[str, list[
 
 
 def _one_format(names: list[str], types: dict[str, str]) -> str | None:
+    """The packable format all of a layer's tensors share, else None."""
     formats = {types[name] for name in names}
     fmt = formats.pop() if len(formats) == 1 else None
     return fmt if fmt in PACKED_FORMATS else None
@@ -147,7 +147,7 @@ def pack_linears(model: nn.Module, types: dict[str, str]) -> frozenset[str]:
     the checkpoint tensors that now load packed."""
     packed: list[str] = []
     kept: Counter[str] = Counter()
-    shards = packable_linears(model, types)
+    shards = linear_shards(model, types)
     for module_name, names in shards.items():
         fmt = _one_format(names, types)
         if fmt is not None:
@@ -177,7 +177,7 @@ def load_decode_packed(
     types = gguf.tensor_types(checked)
     targets: dict[str, list[tuple[Linear, int]]] = defaultdict(list)
     layers: dict[str, tuple[Linear, str]] = {}
-    for module_name, names in packable_linears(model, types).items():
+    for module_name, names in linear_shards(model, types).items():
         fmt = _one_format(names, types)
         if fmt is not None:
             layers[module_name] = (model.get_submodule(module_name), fmt)
