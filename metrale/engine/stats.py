@@ -93,7 +93,7 @@ def forward_info(core: EngineCore) -> ForwardInfo:
         max_seq_len=config.scheduler.max_seq_len,
         sliding_window=model.sliding_window,
         attention_backend=backend,
-        kernels=dict(_KERNELS.get(backend, {})),
+        kernels=_kernels(core),
         programmatic_dependent_launch=cuda and backend == "triton" and _pdl(config.device),
         cuda_graph_batch_sizes=sorted(graphs.graphs) if graphs is not None else [],
         compiled_decode=core.runner.compiled is not None,
@@ -147,6 +147,34 @@ def cpu_threads(model: torch.nn.Module) -> CPUThreads:
             1 for m in model.modules() if isinstance(m, Linear) and m.onednn is not None
         ),
     )
+
+
+def _kernels(core: EngineCore) -> dict[str, str]:
+    """What runs each part of a layer (`_KERNELS`), with what a CPU runs in the torch backend's
+    place: oneDNN's products, Metrale's C++ decode attention, the compiled one-row steps."""
+    kernels = dict(_KERNELS.get(core.config.attention_backend, {}))
+    if core.config.device.type != "cpu" or core.config.attention_backend != "torch":
+        return kernels
+    from metrale.kernels import cpu_extension
+    from metrale.layers.linear import Linear
+
+    if cpu_extension.enabled() and core.config.cache.dtype == torch.float32:
+        kernels["attention"] = (
+            "decode rows: metrale_cpu paged_decode_attention over the paged KV in place; "
+            "prompt chunks: torch scaled_dot_product_attention over the gathered paged KV"
+        )
+    layers = [m for m in core.runner.model.modules() if isinstance(m, Linear)]
+    if any(m.onednn is not None for m in layers):
+        kernels["linear"] = "oneDNN, weights prepacked in its layout"
+    if core.runner.compiled is not None:
+        packed = sum(m.decode_packed is not None for m in layers)
+        kernels["linear"] += (
+            f"; compiled one-row steps: metrale_cpu packed_gemv over the GGUF file's blocks "
+            f"({packed} of {len(layers)} layers), inductor's streamed reduction elsewhere"
+            if packed
+            else "; compiled one-row steps: inductor's streamed reduction over the dense weight"
+        )
+    return kernels
 
 
 def _quantization(core: EngineCore) -> str | None:

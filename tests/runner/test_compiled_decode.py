@@ -188,6 +188,9 @@ def test_steps_over_packed_gguf_blocks_match_transformers(tiny_gguf, scheduling)
     assert head.decode_packed.fmt == "Q8_0"
     assert {m.decode_packed.fmt for m in linears if m is not head} == {"Q4_1"}
     assert all(m.weight is None for m in linears if m is not head)
+    kernels = forward_info(llm.engine).kernels  # what /forward says runs
+    assert "packed_gemv over the GGUF file's blocks (9 of 9 layers)" in kernels["linear"]
+    assert "metrale_cpu paged_decode_attention" in kernels["attention"]
     graphs, steps = unique_graphs(), runner.num_compiled_steps
     outputs = [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in prompts]
     check(outputs, refs, "compiled decode over packed blocks")
@@ -219,4 +222,7 @@ def test_without_the_packed_kernel_the_steps_stream_the_dense_weights(tiny_gguf,
     linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, Linear)]
     assert all(m.decode_packed is None for m in linears)
     assert all(m.weight is not None for m in linears) or llm.engine.runner.compiled is None
+    kernels = forward_info(llm.engine).kernels
+    assert "packed_gemv" not in kernels["linear"]
+    assert kernels["attention"].startswith("torch scaled_dot_product_attention")
     check(llm.generate(prompts[:2], GREEDY, use_tqdm=False), refs[:2], "dense weights streamed")
