@@ -19,6 +19,13 @@ import torch
 os.environ.setdefault("METRALE_COMPILE_CPU_DECODE", "0")
 
 WEIGHT_SCALE = 0.15
+
+# Metrale's C++ CPU kernels (`kernels/cpu_extension.py`) build with g++ and ninja; where either is
+# missing the engine runs the torch paths, and the tests of the kernels themselves skip.
+needs_cpu_kernels = pytest.mark.skipif(
+    shutil.which("g++") is None or shutil.which("ninja") is None,
+    reason="no g++ or ninja to build Metrale's CPU kernels with",
+)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 

@@ -7,18 +7,15 @@ the module says so instead of raising.
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 
 from metrale.kernels import cpu_extension
 from metrale.kernels.quant_layout import FORMAT_IDS, FORMATS, matmul_ref, random_packed
+from tests.conftest import needs_cpu_kernels
 
-needs_compiler = pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ to build with")
 
-
-@needs_compiler
+@needs_cpu_kernels
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("n, k", [(1, 32), (5, 96), (130, 160), (257, 576), (64, 1536)])
 def test_equals_the_product_over_the_dequantized_weight(fmt, n, k):
@@ -31,7 +28,7 @@ def test_equals_the_product_over_the_dequantized_weight(fmt, n, k):
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
-@needs_compiler
+@needs_cpu_kernels
 def test_a_non_contiguous_row_reads_as_its_values():
     parts = random_packed("Q4_1", 40, 64, "cpu")
     x = torch.randn(64, 2)[:, 0][None]  # a strided view
@@ -39,7 +36,7 @@ def test_a_non_contiguous_row_reads_as_its_values():
     torch.testing.assert_close(cpu_extension.packed_gemv(x, "Q4_1", *parts), expected)
 
 
-@needs_compiler
+@needs_cpu_kernels
 def test_inputs_that_do_not_fit_are_errors():
     q, s, m = random_packed("Q4_1", 8, 64, "cpu")
     op = torch.ops.metrale_cpu.packed_gemv

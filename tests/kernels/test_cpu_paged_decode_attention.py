@@ -6,15 +6,14 @@ sliding window; inputs it cannot read are errors, not wrong numbers.
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from metrale.kernels import cpu_extension
+from tests.conftest import needs_cpu_kernels
 
-pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ to build with")
+pytestmark = needs_cpu_kernels
 BLOCK = 16
 
 

@@ -23,7 +23,7 @@ from metrale import LLM, SamplingParams
 from metrale.engine.stats import forward_info
 from metrale.layers.linear import Linear
 from tests.checkpoint.tiny_gguf import write_tiny_gguf
-from tests.conftest import build_checkpoint
+from tests.conftest import build_checkpoint, needs_cpu_kernels
 from tests.entrypoints.test_llm_matches_transformers import (
     GREEDY,
     LENGTHS,
@@ -172,6 +172,7 @@ def tiny_gguf(tmp_path_factory):
 
 
 @needs_compiler
+@needs_cpu_kernels
 @needs_smollm
 @pytest.mark.parametrize("scheduling", ["sync", "async"])
 def test_steps_over_packed_gguf_blocks_match_transformers(tiny_gguf, scheduling):
