@@ -78,9 +78,7 @@ class TorchAttentionMetadata:
                 mask=mask[:, None, None, :],
                 num_seqs=len(decode_seqs),
                 block_tables=tables if in_place else None,
-                seq_lens=torch.from_numpy(seq_lens[decode_seqs].astype(np.int64))
-                if in_place
-                else None,
+                seq_lens=batch.seq_lens[rows] if in_place else None,
                 sliding_window=sliding_window,
             )
         prefills = []
