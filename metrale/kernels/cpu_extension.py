@@ -82,14 +82,20 @@ def available() -> bool:
         return False
     global _traceable
     if not _traceable:  # once a process, however often the build is looked up again
-        torch.library.register_fake("metrale_cpu::packed_gemv")(_fake)
+        torch.library.register_fake("metrale_cpu::packed_gemv")(_fake_gemv)
+        torch.library.register_fake("metrale_cpu::paged_decode_attention")(_fake_attention)
         _traceable = True
     return True
 
 
-def _fake(x, qweight, scales, mins, fmt):
+def _fake_gemv(x, qweight, scales, mins, fmt):
     """The op's output, for tracing: [rows of x, rows of the weight]."""
     return x.new_empty((x.shape[0], scales.shape[0]))
+
+
+def _fake_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window):
+    """The op's output, for tracing: q's shape, contiguous."""
+    return q.new_empty(q.shape)
 
 
 def packed_gemv(

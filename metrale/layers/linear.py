@@ -12,6 +12,8 @@ the vocabulary, gathered. Each says which part of a checkpoint tensor it loads
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from collections.abc import Callable, Sequence
 
 import torch
@@ -78,15 +80,43 @@ def streamed_product(
 
 
 def compiled_product(layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """A one-row product inside a compiled CPU decode step: over the layer's packed GGUF copy
-    where it has one (`decode_packed`, read by `kernels/cpu_extension.py`), else streamed from
-    its dense weight."""
-    if layer.decode_packed is None:
-        return streamed_product(x, layer.weight, bias)
-    from metrale.kernels.cpu_extension import packed_gemv
+    """A product inside a compiled CPU decode step. One row reads the layer's packed GGUF copy
+    where it has one (`decode_packed`, read by `kernels/cpu_extension.py`), else streams its
+    dense weight; several rows (or a layer with neither) go through oneDNN's prepacked weight,
+    as eager steps do. (In a graph of several rows the row count is a symbol known to be 2 or
+    more, so the test of one row costs no guard.)"""
+    if x.shape[0] == 1 and layer.decode_packed is not None:
+        from metrale.kernels.cpu_extension import packed_gemv
 
-    out = packed_gemv(x, layer.decode_packed.fmt, *layer.decode_packed.parts)
-    return out if bias is None else out + bias
+        out = packed_gemv(x, layer.decode_packed.fmt, *layer.decode_packed.parts)
+        return out if bias is None else out + bias
+    if x.shape[0] == 1 and layer.weight is not None:
+        return streamed_product(x, layer.weight, bias)
+    if layer.onednn_id is not None:
+        return torch.ops.metrale.onednn_linear(x, layer.onednn_id, bias)
+    return F.linear(x, layer.weight, bias)
+
+
+# oneDNN's product as an op a compiled graph calls as it is. Inductor lowers its own oneDNN
+# linear only over weights it froze into the graph itself, and an opaque oneDNN tensor cannot be
+# a graph's input; so the graph names the layer by a number and the op looks its weight up.
+_LIB = torch.library.Library("metrale", "FRAGMENT")
+_LIB.define("onednn_linear(Tensor x, int layer, Tensor? bias) -> Tensor")
+_ONEDNN_LAYERS: weakref.WeakValueDictionary[int, Linear] = weakref.WeakValueDictionary()
+_onednn_ids = itertools.count()
+
+
+def _onednn_linear(x: torch.Tensor, layer: int, bias: torch.Tensor | None) -> torch.Tensor:
+    weight = _ONEDNN_LAYERS[layer].onednn
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+_LIB.impl("onednn_linear", _onednn_linear, "CPU")
+
+
+@torch.library.register_fake("metrale::onednn_linear")
+def _(x, layer, bias):
+    return x.new_empty((x.shape[0], _ONEDNN_LAYERS[layer].onednn.shape[0]))
 
 
 # The batch size oneDNN lays a weight out for. One layout serves every step, and the one for 256
@@ -137,11 +167,12 @@ class Linear(nn.Linear):
         self.packed: PackedWeight | None = None
         self.onednn: torch.Tensor | None = None
         self.decode_packed: PackedWeight | None = None
+        self.onednn_id: int | None = None  # `onednn`'s number for compiled graphs
 
     @property
-    def streams(self) -> bool:
-        """Whether a compiled step can read this layer's weight (`compiled_product`)."""
-        return self.weight is not None or self.decode_packed is not None
+    def compiles(self) -> bool:
+        """Whether a compiled CPU step can run this layer's product (`compiled_product`)."""
+        return self.weight is not None or self.decode_packed is not None or self.onednn is not None
 
     def pack_(self, fmt: str) -> None:
         """Give up the dense weight for a packed one of `fmt`, to be filled by loading."""
@@ -157,6 +188,8 @@ class Linear(nn.Linear):
         self.onednn = torch.ops.mkldnn._reorder_linear_weight(
             self.weight.detach(), ONEDNN_LAYOUT_ROWS
         )
+        self.onednn_id = next(_onednn_ids)
+        _ONEDNN_LAYERS[self.onednn_id] = self
         if not keep_dense:
             del self.weight
             self.register_parameter("weight", None)
@@ -168,7 +201,7 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # `product`'s body inlined: the hot path of every unsplit layer, one call fewer
-        if torch.compiler.is_compiling() and self.streams:  # a one-row CPU step
+        if torch.compiler.is_compiling() and self.compiles:  # a compiled CPU step
             return compiled_product(self, x, self.bias)
         if self.onednn is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.onednn, self.bias, "none", [], "")
@@ -178,7 +211,7 @@ class Linear(nn.Linear):
 
     def product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x @ weight.T (+ `bias`), this rank's part only."""
-        if torch.compiler.is_compiling() and self.streams:  # a one-row CPU step
+        if torch.compiler.is_compiling() and self.compiles:  # a compiled CPU step
             return compiled_product(self, x, bias)
         if self.onednn is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.onednn, bias, "none", [], "")

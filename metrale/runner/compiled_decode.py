@@ -28,6 +28,7 @@ import torch
 import torch.fx.experimental._config as fx_config
 
 from metrale.engine.step import ScheduledChunk
+from metrale.kernels import cpu_extension
 from metrale.layers.attention import StepBatch
 from metrale.layers.attention.compiled_decode import CompiledDecodeMetadata
 from metrale.runner.probe_steps import decode_probe
@@ -49,6 +50,10 @@ class CompiledDecode:
             torch._dynamo.config.cache_size_limit, _CACHE_SIZE_LIMIT
         )
         self._forward = torch.compile(self._logits, dynamic=True, fullgraph=True)
+        kv = runner.kv_cache.kv
+        self.cpu_kernel = (
+            kv.dtype == torch.float32 and kv.shape[-1] % 16 == 0 and cpu_extension.enabled()
+        )
 
     def _logits(
         self,
@@ -66,26 +71,28 @@ class CompiledDecode:
             seq_lens,
             self.runner.block_size,
             self.runner.model_config.sliding_window,
+            self.cpu_kernel,
         )
         model = self.runner.model
         return model.compute_logits(model(input_ids, positions, meta))
 
     @staticmethod
     def handles(chunks: list[ScheduledChunk]) -> bool:
-        """Whether the step is one decode (no drafts) that samples."""
-        return len(chunks) == 1 and chunks[0].samples and chunks[0].num_tokens == 1
+        """Whether the step is decodes alone (one token each, no drafts), each sampling."""
+        return all(c.samples and c.num_tokens == 1 for c in chunks)
 
     def run(self, batch: StepBatch) -> torch.Tensor:
         """The logits of the step `handles` accepted, laid out as `batch` (its ids and positions
         in the runner's input buffers, as `_fill_inputs` left them)."""
         buffers = self.runner.buffers
+        rows = batch.seq_lens.shape[0]
         block_tables = batch.block_tables
-        if block_tables.shape[1] < 2:  # a size of one would compile a second graph
-            block_tables = buffers.block_tables.device[:1, :2]
+        if block_tables.shape[1] < 2:  # a size of one would compile another graph
+            block_tables = buffers.block_tables.device[:rows, :2]
         return self._forward(
             self.runner.kv_cache.kv,
-            buffers.input_ids.device[:1],
-            buffers.positions.device[:1],
+            buffers.input_ids.device[:rows],
+            buffers.positions.device[:rows],
             batch.slot_mapping,
             block_tables,
             batch.seq_lens,
@@ -108,9 +115,10 @@ class CompiledDecode:
         # constant, and every request of another width compiled again (~20 s).
         try:
             with fx_config.patch(use_duck_shape=False):
-                runner.execute(
-                    decode_probe(1, 0, 2 * runner.block_size, runner.block_size, num_blocks)
-                )
+                for rows in (1, 2):  # a graph for one row, and one for any number of rows
+                    runner.execute(
+                        decode_probe(rows, 0, 2 * runner.block_size, runner.block_size, num_blocks)
+                    )
         except Exception as e:  # whatever the compiler stack raises
             logger.warning(
                 "could not compile the one-row decode step, it stays eager: %s: %s",

@@ -54,6 +54,9 @@ class CompiledDecodeMetadata:
     seq_lens: torch.Tensor  # [num_rows] slots each row sees, its own included
     block_size: int
     sliding_window: int | None
+    # Whether the rows attend through `paged_decode_attention` (`kernels/cpu_extension.py`), the
+    # C++ kernel eager steps use, rather than through the reductions below.
+    cpu_kernel: bool = False
 
     def attend(
         self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rotary
@@ -61,6 +64,11 @@ class CompiledDecodeMetadata:
         # q: [rows, heads, head_dim]; k, v: [rows, kv_heads, head_dim] -> [rows, heads, head_dim]
         q, k = rope.rotate_qk(q, k)
         torch.ops.metrale.store_kv(self.kv, layer.cache_index, self.slot_mapping, k, v)
+        if self.cpu_kernel and q.shape[0] > 1:  # one row: the reductions measured faster
+            return torch.ops.metrale_cpu.paged_decode_attention(
+                q, self.kv[layer.cache_index, 0], self.kv[layer.cache_index, 1],
+                self.block_tables, self.seq_lens, layer.scale, self.sliding_window or 0,
+            )  # fmt: skip
         rows, kv_heads, head_dim = q.shape[0], layer.num_kv_heads, layer.head_dim
         group = layer.num_heads // kv_heads
         bs = self.block_size
