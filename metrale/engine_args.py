@@ -80,7 +80,7 @@ class EngineConfig:
     is_demo: bool
     attention_backend: str = "torch"
     max_cuda_graph_batch: int = 0  # 0: no CUDA graphs
-    compile_cpu_decode: bool = False  # a CPU's one-row decode steps through torch.compile
+    compile_cpu_decode: bool = False  # a CPU's decode steps through torch.compile
     tokenizer_eos_token_id: int | None = None
     async_scheduling: bool = False  # prepare step N+1 while step N runs
     quantization: str | None = None  # gguf: GGUF linear weights stay packed

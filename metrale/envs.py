@@ -36,7 +36,7 @@ def onednn() -> bool:
 
 
 def compile_cpu_decode() -> bool:
-    """Whether a CPU engine compiles its one-row decode steps (`runner.compiled_decode`) unless
+    """Whether a CPU engine compiles its decode steps (`runner.compiled_decode`) unless
     `--enforce-eager`: METRALE_COMPILE_CPU_DECODE=0 keeps them eager (the test suite does, so that
     only the tests of the compiled path pay for compiling)."""
     return os.environ.get("METRALE_COMPILE_CPU_DECODE", "1") != "0"

@@ -169,7 +169,7 @@ class ForwardInfo(msgspec.Struct, frozen=True):
     kernels: dict[str, str]  # what runs each part of the layer
     programmatic_dependent_launch: bool
     cuda_graph_batch_sizes: list[int]
-    compiled_decode: bool  # a CPU's one-row decode steps run compiled (runner/compiled_decode)
+    compiled_decode: bool  # a CPU's decode steps run compiled (runner/compiled_decode)
     kv_cache_dtype: str
     kv_block_size: int
     num_kv_blocks: int

@@ -151,7 +151,7 @@ def cpu_threads(model: torch.nn.Module) -> CPUThreads:
 
 def _kernels(core: EngineCore) -> dict[str, str]:
     """What runs each part of a layer (`_KERNELS`), with what a CPU runs in the torch backend's
-    place: oneDNN's products, Metrale's C++ decode attention, the compiled one-row steps."""
+    place: oneDNN's products, Metrale's C++ decode attention, the compiled decode steps."""
     kernels = dict(_KERNELS.get(core.config.attention_backend, {}))
     if core.config.device.type != "cpu" or core.config.attention_backend != "torch":
         return kernels
@@ -173,7 +173,7 @@ def _kernels(core: EngineCore) -> dict[str, str]:
             f"({packed} of {len(layers)} layers), inductor's streamed reduction elsewhere"
             if packed
             else "; compiled one-row steps: inductor's streamed reduction over the dense weight"
-        )
+        ) + "; compiled steps of several rows: oneDNN, called from the graph"
     return kernels
 
 

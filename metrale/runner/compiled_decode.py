@@ -1,20 +1,23 @@
-"""One-row decode steps compiled by torch.compile on a CPU: the CPU's counterpart of the CUDA
-graphs.
+"""Decode steps compiled by torch.compile on a CPU: the CPU's counterpart of the CUDA graphs.
 
-A batch-1 decode step of a small model on a CPU spends a third or more of its time around its
-products (~1,500 aten calls a step, each a Python dispatch and an OpenMP region of its own), and
-its products, through oneDNN, read the weights at ~2/3 of the machine's bandwidth
-(bench/profile_cpu.py). A step of one decode runs instead as one graph that inductor compiled
-to C++ loops: norms, rotary, activations and residual adds fused; attention reading the paged
-cache in place (`layers/attention/compiled_decode.py`); products as reductions that stream the
-dense weights (`layers/linear.streamed_product`). On 2 cores that step takes ~55% of the eager
-one's time. Steps of several rows stay eager: compiled the same way they measured no faster
-(oneDNN's products dominate them, and inductor's attention over many rows was slower than the
-eager gather + SDPA).
+A decode step of a small model on a CPU spends a third or more of its time around its products
+(~1,000-1,500 aten calls a step, each a Python dispatch and an OpenMP region of its own). A step
+of decodes alone runs instead as one graph that inductor compiled to C++ loops: norms, rotary,
+activations and residual adds fused, and two graphs serve every step:
 
-The context is a symbolic size, so one graph serves every one-row step. It is compiled at
-startup by a warm-up step, so no request waits for a compiler; inductor keeps what it compiled
-on disk (its FX graph cache), so a later start with the same model and torch compiles less.
+- one row: products as reductions that stream the dense weights (`layers/linear.streamed_product`)
+  or read a GGUF file's packed blocks (`packed_gemv`), where oneDNN's one-row product reads the
+  weights at ~2/3 of the machine's bandwidth (bench/profile_cpu.py), and attention as reductions
+  over the paged cache in place (`layers/attention/compiled_decode.py`). ~55% of the eager step's
+  time on 2 cores.
+- several rows (a symbolic count, 2 or more): oneDNN's prepacked products as eager steps run them
+  (`metrale::onednn_linear`) and the C++ paged decode attention (`kernels/cpu_extension.py`),
+  called from the graph. 16 rows of peers.md's 33.6M Llama: ~12.5 against ~15 ms a step
+  (bench/cpu_step_ab.py).
+
+The context is a symbolic size too, so no request compiles. Both graphs are compiled at startup
+by warm-up steps; inductor keeps what it compiled on disk (its FX graph cache), so a later start
+with the same model and torch compiles less. Steps with a prompt chunk or drafts stay eager.
 `--enforce-eager` turns this off.
 """
 
@@ -103,7 +106,7 @@ class CompiledDecode:
         before any request holds them. False (logged) where it cannot compile, e.g. on a machine
         without the C++ compiler inductor calls: the steps then stay eager."""
         logger.info(
-            "compiling the one-row decode step (torch.compile: a minute or two on a small CPU the "
+            "compiling the decode steps (torch.compile: a minute or two on a small CPU the "
             "first time, less once cached; --enforce-eager skips it)"
         )
         start = time.perf_counter()
@@ -121,12 +124,12 @@ class CompiledDecode:
                     )
         except Exception as e:  # whatever the compiler stack raises
             logger.warning(
-                "could not compile the one-row decode step, it stays eager: %s: %s",
+                "could not compile the decode steps, they stay eager: %s: %s",
                 type(e).__name__,
                 str(e).strip().splitlines()[0] if str(e).strip() else "",
             )
             return False
         finally:
             self.runner.compiled = None
-        logger.info("compiled the CPU decode step in %.1f s", time.perf_counter() - start)
+        logger.info("compiled the CPU decode steps in %.1f s", time.perf_counter() - start)
         return True

@@ -116,7 +116,7 @@ class ModelRunner:
                 self, min(max_cuda_graph_batch, scheduler_config.max_batch_size)
             )
             self.graphs.capture()
-        # On a CPU: one-row decode steps compiled by torch.compile (the model keeps dense weights).
+        # On a CPU: decode steps compiled by torch.compile (the model keeps dense weights).
         self.compiled: CompiledDecode | None = None
         if compile_decode:
             compiled = CompiledDecode(self)

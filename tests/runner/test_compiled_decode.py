@@ -1,11 +1,12 @@
-"""One-row decode steps compiled by torch.compile on a CPU (`runner/compiled_decode.py`).
+"""Decode steps compiled by torch.compile on a CPU (`runner/compiled_decode.py`).
 
 On the compiled path the greedy tokens equal transformers' and the logprobs stay within the
-fidelity tests' tolerance, sync and async, for requests alone (every decode step compiled) and
-batched with chunked prefill and preemption (compiled steps between eager ones over the same
-pool); speculation's plain steps run compiled between its verify steps with the outputs of plain
-decoding; one graph serves every context length; `--enforce-eager` and the paths it cannot run
-keep the eager steps. Served from a GGUF file, the compiled steps read the file's packed blocks
+fidelity tests' tolerance, sync and async, for requests alone (every decode step compiled, one
+row), batched (steps of several rows compiled), and batched with chunked prefill and preemption
+(compiled steps between eager ones over the same pool); speculation's plain steps run compiled
+between its verify steps with the outputs of plain decoding; the two graphs compiled at startup
+serve every context length and row count; `--enforce-eager` and the paths it cannot run keep the
+eager steps. Served from a GGUF file, the compiled steps read the file's packed blocks
 (`kernels/cpu_extension.py`) and still give transformers' tokens.
 """
 
@@ -78,6 +79,21 @@ def test_requests_alone_match_transformers(case, scheduling):
 
 @needs_compiler
 @pytest.mark.parametrize("scheduling", ["sync", "async"])
+def test_batched_decodes_match_transformers(case, scheduling):
+    model_dir, prompts, refs = case
+    llm = LLM(model_from_path=str(model_dir), dtype="float32", scheduler_config=scheduling)
+    runner = llm.engine.runner
+    graphs, steps = unique_graphs(), runner.num_compiled_steps
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    check(outputs, refs, "compiled decode, several rows")
+    # The six prompts prefill in one eager step; each later step decodes all six rows, compiled
+    # (oneDNN's products and the C++ paged attention, where it builds, inside the graph).
+    assert runner.num_compiled_steps - steps == MAX_NEW_TOKENS - 1
+    assert unique_graphs() == graphs
+
+
+@needs_compiler
+@pytest.mark.parametrize("scheduling", ["sync", "async"])
 def test_batched_with_chunks_and_preemption_matches_transformers(case, scheduling):
     model_dir, prompts, refs = case
     # 7-token prefill chunks; 12 blocks cannot hold all six requests (the longest needs 6).
@@ -134,7 +150,7 @@ def test_without_a_cpp_compiler_the_steps_stay_eager(tmp_path, monkeypatch, capl
     with caplog.at_level("WARNING", logger="metrale.runner.compiled_decode"):
         llm = LLM(model_from_path=str(model_dir), dtype="float32")
     assert llm.engine.runner.compiled is None
-    assert "could not compile the one-row decode step" in caplog.text
+    assert "could not compile the decode steps" in caplog.text
     prompt = prompts_of([9])[0]
     out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 8
@@ -197,8 +213,12 @@ def test_steps_over_packed_gguf_blocks_match_transformers(tiny_gguf, scheduling)
     check(outputs, refs, "compiled decode over packed blocks")
     one_row = sum(MAX_NEW_TOKENS - 1 + (len(p) == 1) for p in prompts)
     assert runner.num_compiled_steps - steps == one_row
+    # Three at once: steps of three rows, as many as the KV heads.
+    outputs = llm.generate(prompts[:3], GREEDY, use_tqdm=False)
+    check(outputs, refs[:3], "compiled decode over packed blocks, three rows")
+    assert runner.num_compiled_steps - steps == one_row + MAX_NEW_TOKENS - 1
     # No request compiled again, whatever its block table's width (1 to 6 blocks here; the
-    # warm-up's, 3, is also the number of KV heads).
+    # warm-up's, 3, is also the number of KV heads) or its step's row count.
     assert unique_graphs() == graphs
     if scheduling == "async":
         return  # the batched case once is enough (an engine of its own, compiled again)
