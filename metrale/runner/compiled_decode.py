@@ -15,9 +15,10 @@ activations and residual adds fused, and two graphs serve every step:
   called from the graph. 16 rows of peers.md's 33.6M Llama: ~12.5 against ~15 ms a step
   (bench/cpu_step_ab.py).
 
-The context is a symbolic size too, so no request compiles. Both graphs are compiled at startup
-by warm-up steps; inductor keeps what it compiled on disk (its FX graph cache), so a later start
-with the same model and torch compiles less. Steps with a prompt chunk or drafts stay eager.
+The context (the block-table width) is a symbolic size too, so no request compiles; the pool's
+and the model's sizes are constants. Both graphs are compiled at startup by warm-up steps;
+inductor keeps what it compiled on disk (its FX graph cache), so a later start with the same
+model and torch compiles less (the built-in model: ~80 s the first time on 2 cores, ~11 s after). Steps with a prompt chunk or drafts stay eager.
 `--enforce-eager` turns this off.
 """
 
@@ -52,7 +53,8 @@ class CompiledDecode:
         torch._dynamo.config.cache_size_limit = max(
             torch._dynamo.config.cache_size_limit, _CACHE_SIZE_LIMIT
         )
-        self._forward = torch.compile(self._logits, dynamic=True, fullgraph=True)
+        self._forward = torch.compile(self._logits, dynamic=False, fullgraph=True)
+        self._warming_up = False
         kv = runner.kv_cache.kv
         self.cpu_kernel = (
             kv.dtype == torch.float32 and kv.shape[-1] % 16 == 0 and cpu_extension.enabled()
@@ -92,14 +94,19 @@ class CompiledDecode:
         block_tables = batch.block_tables
         if block_tables.shape[1] < 2:  # a size of one would compile another graph
             block_tables = buffers.block_tables.device[:rows, :2]
-        return self._forward(
-            self.runner.kv_cache.kv,
+        inputs = (
             buffers.input_ids.device[:rows],
             buffers.positions.device[:rows],
             batch.slot_mapping,
             block_tables,
             batch.seq_lens,
         )
+        if self._warming_up:  # the graph compiled now serves every size marked (~0.1 ms a mark)
+            torch._dynamo.mark_dynamic(block_tables, 1)
+            if rows > 1:
+                for t in inputs:
+                    torch._dynamo.mark_dynamic(t, 0)
+        return self._forward(self.runner.kv_cache.kv, *inputs)
 
     def warm_up(self) -> bool:
         """Compile the graph by running a decode step into the pool's first blocks: call it
@@ -112,10 +119,13 @@ class CompiledDecode:
         start = time.perf_counter()
         runner = self.runner
         num_blocks = runner.kv_cache.kv.shape[2]
-        self.runner.compiled = self  # the warm-up step runs through it
-        # Each size a symbol of its own: by default the tracer gives equal sizes one symbol, so
-        # the warm-up's block-table width (3) fused with a model's 3 KV heads (SmolLM2), a
-        # constant, and every request of another width compiled again (~20 s).
+        self.runner.compiled = self  # the warm-up steps run through it
+        self._warming_up = True
+        # Only the sizes `run` marks are symbols (the block-table width, and the row count of
+        # the graph of several rows): the pool's shape and the model's are constants, which
+        # traces ~5x faster than every size symbolic. Each symbol is its own: by default the
+        # tracer gives equal sizes one symbol, and a width fused with another size would make
+        # every request of another width compile again (~20 s).
         try:
             with fx_config.patch(use_duck_shape=False):
                 for rows in (1, 2):  # a graph for one row, and one for any number of rows
@@ -131,5 +141,6 @@ class CompiledDecode:
             return False
         finally:
             self.runner.compiled = None
+            self._warming_up = False
         logger.info("compiled the CPU decode steps in %.1f s", time.perf_counter() - start)
         return True
