@@ -11,7 +11,11 @@ ops (`metrale_cpu::*`) eager code and compiled graphs call as they are:
   sums differs).
 - `paged_decode_attention`: decode rows attending over the paged KV cache in place, one pass
   with an online softmax, for the eager steps of several decodes (`torch_backend.py`), which
-  otherwise gather every row's blocks into a padded copy and then run SDPA over it.
+  otherwise gather every row's blocks into a padded copy and then run SDPA over it, and for the
+  compiled steps of several rows.
+- `silu_and_mul`, `rms_norm` / `add_rms_norm` and `rotary_`: the operators around the products
+  of an eager step (prompts chiefly), each one pass where torch takes two to five (`takes` says
+  where they run).
 
 They are compiled by torch's C++ extension builder (g++ and ninja, `-O3 -march=native
 -fopenmp`: ~30 s on 2 cores), cached on disk per machine kind (`~/.cache/torch_extensions`).
@@ -38,15 +42,30 @@ _SOURCES = sorted((Path(__file__).parent / "cpu").glob("*.cpp"))
 _traceable = False  # the ops' fake (tracing) implementations are registered
 
 
-def _machine_tag() -> str:
-    """A short hash of what `-march=native` compiles for: the build is cached per machine kind."""
-    flags = ""
+@functools.cache
+def _cpu_flags() -> str:
+    """The CPU's feature flags (/proc/cpuinfo's line; empty where there is none)."""
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
+            return next((line for line in f if line.startswith("flags")), "")
     except OSError:
-        pass
-    return hashlib.sha256(f"{platform.machine()} {flags}".encode()).hexdigest()[:10]
+        return ""
+
+
+def _machine_tag() -> str:
+    """A short hash of what `-march=native` compiles for: the build is cached per machine kind."""
+    return hashlib.sha256(f"{platform.machine()} {_cpu_flags()}".encode()).hexdigest()[:10]
+
+
+def _vector_width() -> list[str]:
+    """The defines that give at::vec the SIMD width of this machine (as ATen's own per-CPU
+    builds define them; without them it falls back to plain loops): AVX-512 or AVX2."""
+    flags = set(_cpu_flags().split())
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
+        return ["-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]
+    if {"avx2", "fma"} <= flags:
+        return ["-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
+    return []
 
 
 def enabled() -> bool:
@@ -67,7 +86,7 @@ def available() -> bool:
         load(
             f"metrale_cpu_{digest}_{_machine_tag()}",
             sources=[str(p) for p in _SOURCES],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_cflags=["-O3", "-march=native", "-fopenmp", *_vector_width()],
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
             verbose=False,
@@ -120,3 +139,42 @@ def paged_decode_attention(
     return torch.ops.metrale_cpu.paged_decode_attention(
         q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window or 0
     )
+
+
+def takes(x: torch.Tensor) -> bool:
+    """Whether eager code on `x` runs the elementwise kernels (`silu_and_mul`, `rms_norm`,
+    `rotary_`): a float32 CPU tensor, the kernels on, and no graph being traced (compiled steps
+    keep torch's formulas, which inductor fuses)."""
+    return (
+        x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and not torch.compiler.is_compiling()
+        and enabled()
+    )
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[tokens, 2 * n] -> silu(gate) * up [tokens, n]."""
+    return torch.ops.metrale_cpu.silu_and_mul(gate_up)
+
+
+def rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight * norm(x + residual), x + residual) over rows [tokens, features]; without a
+    residual, (weight * norm(x), x)."""
+    if residual is None:
+        return torch.ops.metrale_cpu.rms_norm(x, weight, eps), x
+    return torch.ops.metrale_cpu.add_rms_norm(x, residual, weight, eps)
+
+
+def rotary_(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    positions: torch.Tensor,
+) -> None:
+    """Rotate q [tokens, heads, D] and k [tokens, kv_heads, D] in place to `positions` (int64),
+    the tables [max_positions, D] float32 (the "rotate half" layout)."""
+    torch.ops.metrale_cpu.rotary_(q, k, cos_cache, sin_cache, positions)

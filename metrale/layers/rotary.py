@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from metrale.config import RopeConfig
+from metrale.kernels import cpu_extension
 from metrale.layers.layernorm import RMSNorm
 
 # Qwen3's RMSNorm over each query and key head, applied before the rotation: (q norm, k norm).
@@ -73,6 +74,8 @@ class RotaryEmbedding(nn.Module):
         """What rotates q and k this step, looked up once and shared by every layer."""
         if self.fused:
             return FusedRotary(self.cos_cache, self.sin_cache, positions)
+        if dtype == torch.float32 and cpu_extension.takes(self.cos_cache):
+            return FusedRotary(self.cos_cache, self.sin_cache, positions, cpu=True)
         cos = self.cos_cache[positions].unsqueeze(1).to(dtype)  # [num_tokens, 1, head_dim]
         sin = self.sin_cache[positions].unsqueeze(1).to(dtype)
         half = sin.shape[-1] // 2
@@ -103,21 +106,26 @@ class RotaryAngles:
 
 @dataclass(frozen=True)
 class FusedRotary:
-    """Rotates q and k in place with one Triton kernel, reading the fp32 tables directly."""
+    """Rotates q and k in place with one kernel, reading the fp32 tables directly: Triton's, or
+    with `cpu` the C++ one of `kernels/cpu_extension.py` (eager float32 steps on a CPU)."""
 
     cos_cache: torch.Tensor  # [max_positions, head_dim] fp32
     sin_cache: torch.Tensor
     positions: torch.Tensor  # [num_tokens]
     head_norms: HeadNorms | None = None
+    cpu: bool = False
 
     def with_head_norms(self, q_norm: RMSNorm, k_norm: RMSNorm) -> FusedRotary:
         """This rotation, after a layer's per-head RMSNorm of q and k (Qwen3)."""
         return dataclasses.replace(self, head_norms=(q_norm, k_norm))
 
     def rotate_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k = _normalized(self.head_norms, q, k)
+        if self.cpu:
+            cpu_extension.rotary_(q, k, self.cos_cache, self.sin_cache, self.positions)
+            return q, k
         from metrale.kernels.rotary import apply_rotary
 
-        q, k = _normalized(self.head_norms, q, k)
         return apply_rotary(q, k, self.cos_cache, self.sin_cache, self.positions, q_out=q, k_out=k)
 
     def rotate_and_store(

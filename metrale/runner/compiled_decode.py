@@ -18,8 +18,8 @@ activations and residual adds fused, and two graphs serve every step:
 The context (the block-table width) is a symbolic size too, so no request compiles; the pool's
 and the model's sizes are constants. Both graphs are compiled at startup by warm-up steps;
 inductor keeps what it compiled on disk (its FX graph cache), so a later start with the same
-model and torch compiles less (the built-in model: ~80 s the first time on 2 cores, ~11 s after). Steps with a prompt chunk or drafts stay eager.
-`--enforce-eager` turns this off.
+model and torch compiles less (the built-in model: ~80 s the first time on 2 cores, ~11 s
+after). Steps with a prompt chunk or drafts stay eager. `--enforce-eager` turns this off.
 """
 
 from __future__ import annotations

@@ -43,7 +43,8 @@ class TritonAttentionMetadata:
         self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rotary
     ) -> torch.Tensor:
         # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
-        if isinstance(rope, FusedRotary):  # one launch: q rotated in place, k into the cache
+        # One launch: q rotated in place, k into the cache.
+        if isinstance(rope, FusedRotary) and not rope.cpu:
             rope.rotate_and_store(q, k, v, layer.k_cache, layer.v_cache, self.slot_mapping)
         else:
             q, k = rope.rotate_qk(q, k)
