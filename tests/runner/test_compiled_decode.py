@@ -61,35 +61,28 @@ def unique_graphs() -> int:
 
 @needs_compiler
 @pytest.mark.parametrize("scheduling", ["sync", "async"])
-def test_requests_alone_match_transformers(case, scheduling):
+@pytest.mark.parametrize("together", [False, True], ids=["alone", "batched"])
+def test_decode_steps_match_transformers(case, scheduling, together):
     model_dir, prompts, refs = case
     llm = LLM(model_from_path=str(model_dir), dtype="float32", scheduler_config=scheduling)
     runner = llm.engine.runner
     assert runner.compiled is not None and forward_info(llm.engine).compiled_decode
     graphs, steps = unique_graphs(), runner.num_compiled_steps
-    outputs = [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in prompts]
-    check(outputs, refs, "compiled decode")
-    # Every step of one row ran the graph compiled at startup, at every context length from 1
-    # to 88 tokens: each decode (every token after a prompt's first), and the prefill of a
-    # one-token prompt.
-    one_row = sum(MAX_NEW_TOKENS - 1 + (len(p) == 1) for p in prompts)
-    assert runner.num_compiled_steps - steps == one_row
-    assert unique_graphs() == graphs
-
-
-@needs_compiler
-@pytest.mark.parametrize("scheduling", ["sync", "async"])
-def test_batched_decodes_match_transformers(case, scheduling):
-    model_dir, prompts, refs = case
-    llm = LLM(model_from_path=str(model_dir), dtype="float32", scheduler_config=scheduling)
-    runner = llm.engine.runner
-    graphs, steps = unique_graphs(), runner.num_compiled_steps
-    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
-    check(outputs, refs, "compiled decode, several rows")
-    # The six prompts prefill in one eager step; each later step decodes all six rows, compiled
-    # (oneDNN's products and the C++ paged attention, where it builds, inside the graph).
-    assert runner.num_compiled_steps - steps == MAX_NEW_TOKENS - 1
-    assert unique_graphs() == graphs
+    if together:
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        # The six prompts prefill in one eager step; each later step decodes all six rows,
+        # compiled (oneDNN's products and the C++ paged attention, where it builds, inside the
+        # graph of several rows).
+        compiled = MAX_NEW_TOKENS - 1
+    else:
+        outputs = [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in prompts]
+        # Every step of one row ran the one-row graph, at every context length from 1 to 88
+        # tokens: each decode (every token after a prompt's first), and the prefill of a
+        # one-token prompt.
+        compiled = sum(MAX_NEW_TOKENS - 1 + (len(p) == 1) for p in prompts)
+    check(outputs, refs, f"compiled decode, {'batched' if together else 'alone'}")
+    assert runner.num_compiled_steps - steps == compiled
+    assert unique_graphs() == graphs  # the graphs compiled at startup served every step
 
 
 @needs_compiler
