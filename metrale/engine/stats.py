@@ -158,7 +158,7 @@ def _kernels(core: EngineCore) -> dict[str, str]:
     from metrale.kernels import cpu_extension
     from metrale.layers.linear import Linear
 
-    if cpu_extension.enabled() and core.config.cache.dtype == torch.float32:
+    if cpu_extension.attends_in_place(core.config.cache.dtype, core.config.model.head_dim):
         kernels["attention"] = (
             "decode rows: metrale_cpu paged_decode_attention over the paged KV in place; "
             "prompt chunks: torch scaled_dot_product_attention over the gathered paged KV"

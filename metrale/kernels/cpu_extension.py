@@ -141,6 +141,12 @@ def paged_decode_attention(
     )
 
 
+def attends_in_place(cache_dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether decode rows over a cache of `cache_dtype` attend through `paged_decode_attention`:
+    the kernels on, a float32 cache, a head size of a multiple of its 16 lanes."""
+    return cache_dtype == torch.float32 and head_dim % 16 == 0 and enabled()
+
+
 def takes(x: torch.Tensor) -> bool:
     """Whether eager code on `x` runs the elementwise kernels (`silu_and_mul`, `rms_norm`,
     `rotary_`): a float32 CPU tensor, the kernels on, and no graph being traced (compiled steps

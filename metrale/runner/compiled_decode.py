@@ -56,9 +56,7 @@ class CompiledDecode:
         self._forward = torch.compile(self._logits, dynamic=False, fullgraph=True)
         self._warming_up = False
         kv = runner.kv_cache.kv
-        self.cpu_kernel = (
-            kv.dtype == torch.float32 and kv.shape[-1] % 16 == 0 and cpu_extension.enabled()
-        )
+        self.cpu_kernel = cpu_extension.attends_in_place(kv.dtype, kv.shape[-1])
 
     def _logits(
         self,

@@ -151,8 +151,8 @@ def _attend_decodes(layer: Attention, q: torch.Tensor, d: DecodeGroup) -> torch.
     gathered and through SDPA."""
     if (
         d.block_tables is not None
-        and q.dtype == layer.k_cache.dtype == torch.float32
-        and layer.head_dim % 16 == 0
+        and q.dtype == layer.k_cache.dtype
+        and cpu_extension.attends_in_place(layer.k_cache.dtype, layer.head_dim)
     ):
         return cpu_extension.paged_decode_attention(
             q, layer.k_cache, layer.v_cache, d.block_tables, d.seq_lens, layer.scale,
