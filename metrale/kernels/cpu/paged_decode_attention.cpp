@@ -4,6 +4,8 @@
 // pass, online softmax, float32. Rows split across torch's threads.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -13,26 +15,53 @@
 
 namespace {
 
+using Vec = at::vec::Vectorized<float>;
+
 constexpr int64_t kLanes = 16;
 // exp(x) for x <= 0, 0 below -80: past that a weight is under 2e-35 of the largest (nothing to a
 // float32 sum), and exp's results would soon be denormal floats, which x86 cores compute with
 // at a fraction of the speed of normal ones.
 inline float weight_of(float x) { return x < -80.f ? 0.f : std::exp(x); }
 
-// a . b over d values (d a multiple of kLanes), in kLanes partial sums the compiler vectorizes.
-inline float dot(const float* a, const float* b, int64_t d) {
-  float part[kLanes] = {0};
-  for (int64_t j = 0; j < d; j += kLanes) {
-    for (int64_t u = 0; u < kLanes; ++u) part[u] += a[j + u] * b[j + u];
-  }
-  float s = 0.f;
-  for (int64_t u = 0; u < kLanes; ++u) s += part[u];
-  return s;
+// The lanes' sum, by shuffles.
+inline float sum_of(const Vec& v) {
+  return at::vec::vec_reduce_all<float>([](const Vec& x, const Vec& y) { return x + y; }, v);
 }
 
-// y += p * x over d values.
-inline void add_scaled(float* y, float p, const float* x, int64_t d) {
-  for (int64_t j = 0; j < d; ++j) y[j] += p * x[j];
+// a . b over d values (d a multiple of kLanes): one SIMD partial sum, reduced by shuffles. A
+// scalar sum of the partial's lanes is a chain of 16 dependent adds, and at 1,500 dot products a
+// row and layer that chain was most of the kernel's time.
+inline float dot(const float* a, const float* b, int64_t d) {
+  Vec sum = Vec::loadu(a) * Vec::loadu(b);
+  for (int64_t j = Vec::size(); j < d; j += Vec::size()) {
+    sum = at::vec::fmadd(Vec::loadu(a + j), Vec::loadu(b + j), sum);
+  }
+  return sum_of(sum);
+}
+
+// w[0, n) = weight_of(w - m), SIMD-wide, returned with their sum.
+inline float weigh(float* w, int64_t n, float m) {
+  const Vec shift(m), floor(-80.f), zero(0.f);
+  Vec sum(0.f);
+  for (int64_t j = 0; j < n; j += Vec::size()) {
+    const int64_t count = std::min<int64_t>(Vec::size(), n - j);
+    const Vec x = Vec::loadu(w + j, count) - shift;
+    const Vec e = Vec::blendv(x.exp(), zero, x < floor);
+    e.store(w + j, count);
+    sum += count == Vec::size() ? e : Vec::set(zero, e, count);
+  }
+  return sum_of(sum);
+}
+
+// acc[0, d) = c * acc + sum over t of w[t] * v_t, v_t = v + t * stride: each SIMD slice of the
+// accumulator stays in a register across the slots.
+inline void accumulate(float* acc, float c, const float* w, const float* v, int64_t n,
+                       int64_t stride, int64_t d) {
+  for (int64_t j = 0; j < d; j += Vec::size()) {
+    Vec a = Vec::loadu(acc + j) * Vec(c);
+    for (int64_t t = 0; t < n; ++t) a = at::vec::fmadd(Vec(w[t]), Vec::loadu(v + t * stride + j), a);
+    a.store(acc + j);
+  }
 }
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
@@ -96,26 +125,16 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
             weight[head * block_size + t] = s * dot(qi + head * d, k, d);
           }
         }
-        // Per head: rescale what came before to the block's new maximum, then weigh its slots.
+        // Per head: the block's new maximum, its slots' weights, and what came before rescaled
+        // to that maximum as the block's values are added.
         for (int64_t head = 0; head < heads; ++head) {
-          float* w = weight.data() + head * block_size;
-          float m = best[head];
-          for (int64_t t = lo; t < hi; ++t) m = std::max(m, w[t]);
+          float* w = weight.data() + head * block_size + lo;
+          const float m = std::max(best[head], *std::max_element(w, w + (hi - lo)));
           const float c = weight_of(best[head] - m);
-          float* a = acc.data() + head * d;
-          for (int64_t j = 0; j < d; ++j) a[j] *= c;
-          total[head] *= c;
-          for (int64_t t = lo; t < hi; ++t) {
-            w[t] = weight_of(w[t] - m);
-            total[head] += w[t];
-          }
+          total[head] = total[head] * c + weigh(w, hi - lo, m);
           best[head] = m;
-        }
-        for (int64_t t = lo; t < hi; ++t) {
-          for (int64_t head = 0; head < heads; ++head) {
-            const float* v = vb + t * slot_stride + (head / group) * d;
-            add_scaled(acc.data() + head * d, weight[head * block_size + t], v, d);
-          }
+          accumulate(acc.data() + head * d, c, w, vb + lo * slot_stride + (head / group) * d,
+                     hi - lo, slot_stride, d);
         }
       }
       for (int64_t head = 0; head < heads; ++head) {
