@@ -13,6 +13,9 @@ ops (`metrale_cpu::*`) eager code and compiled graphs call as they are:
   with an online softmax, for the eager steps of several decodes (`torch_backend.py`), which
   otherwise gather every row's blocks into a padded copy and then run SDPA over it, and for the
   compiled steps of several rows.
+- `store_kv`: a compiled decode step's keys and values written to their slots of the pool, one
+  call a layer (the torch formula's two `index_copy_` through views took ~35 us a call, most of it
+  dispatch).
 - `silu_and_mul`, `rms_norm` / `add_rms_norm` and `rotary_`: the operators around the products
   of an eager step (prompts chiefly), each one pass where torch takes two to five (`takes` says
   where they run).
@@ -103,6 +106,7 @@ def available() -> bool:
     if not _traceable:  # once a process, however often the build is looked up again
         torch.library.register_fake("metrale_cpu::packed_gemv")(_fake_gemv)
         torch.library.register_fake("metrale_cpu::paged_decode_attention")(_fake_attention)
+        torch.library.register_fake("metrale_cpu::store_kv")(_fake_store)
         _traceable = True
     return True
 
@@ -115,6 +119,11 @@ def _fake_gemv(x, qweight, scales, mins, fmt):
 def _fake_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window):
     """The op's output, for tracing: q's shape, contiguous."""
     return q.new_empty(q.shape)
+
+
+def _fake_store(kv, layer, slot_mapping, k, v):
+    """The op's output, for tracing: none (it writes the pool)."""
+    return None
 
 
 def packed_gemv(

@@ -8,7 +8,8 @@ be compiled. (At 16 rows the compiled reductions took 1.4x the eager gather and 
 recomputes the scores for each of the softmax's passes. Steps of several rows call the C++
 `paged_decode_attention` instead, where it builds; at one row the reductions measured faster.)
 
-The step's keys and values are written by `store_kv`, a custom op that mutates the whole pool
+The step's keys and values are written by `store_kv` (or its C++ twin where the kernels run), a
+custom op that mutates the whole pool
 (`[num_layers, 2, num_blocks, block_size, kv_heads, head_dim]`, an input of the graph) in place,
 and each layer reads its keys and values as views of that input taken inside the graph: a
 mutation of a layer's own slice, a view made outside, makes the compiled graph copy the pool.
@@ -55,8 +56,9 @@ class CompiledDecodeMetadata:
     seq_lens: torch.Tensor  # [num_rows] slots each row sees, its own included
     block_size: int
     sliding_window: int | None
-    # Whether the rows attend through `paged_decode_attention` (`kernels/cpu_extension.py`), the
-    # C++ kernel eager steps use, rather than through the reductions below.
+    # Whether the step runs the C++ kernels over the pool (`kernels/cpu_extension.py`): its keys
+    # and values stored by `store_kv`, and rows attending through `paged_decode_attention` (the
+    # kernel eager steps use) rather than through the reductions below.
     cpu_kernel: bool = False
 
     def attend(
@@ -64,7 +66,8 @@ class CompiledDecodeMetadata:
     ) -> torch.Tensor:
         # q: [rows, heads, head_dim]; k, v: [rows, kv_heads, head_dim] -> [rows, heads, head_dim]
         q, k = rope.rotate_qk(q, k)
-        torch.ops.metrale.store_kv(self.kv, layer.cache_index, self.slot_mapping, k, v)
+        store = torch.ops.metrale_cpu.store_kv if self.cpu_kernel else torch.ops.metrale.store_kv
+        store(self.kv, layer.cache_index, self.slot_mapping, k, v)
         if self.cpu_kernel and q.shape[0] > 1:  # one row: the reductions measured faster
             return torch.ops.metrale_cpu.paged_decode_attention(
                 q, self.kv[layer.cache_index, 0], self.kv[layer.cache_index, 1],

@@ -1,0 +1,58 @@
+// A step's keys and values written to their slots of the paged KV pool on a CPU
+// (kernels/cpu_extension.py builds this), for the compiled decode steps: one call a layer copies
+// each token's kv_heads x D keys and values, where the torch formula (two index_copy_ through
+// views of the pool) took ~35 us a call in a 16-row step, most of it dispatch.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <cstring>
+
+namespace {
+
+// kv: the pool [layers, 2, blocks, block_size, kv_heads, D] float32; k, v: [tokens, kv_heads, D]
+// float32 with contiguous rows of D; slot_mapping: int64 [tokens], a slot a token.
+void store_kv(const at::Tensor& kv, int64_t layer, const at::Tensor& slot_mapping,
+              const at::Tensor& k, const at::Tensor& v) {
+  TORCH_CHECK(kv.dim() == 6 && kv.size(1) == 2 && kv.scalar_type() == at::kFloat &&
+                  kv.is_contiguous(),
+              "kv must be the float32 pool [layers, 2, blocks, block_size, kv_heads, D], "
+              "contiguous");
+  TORCH_CHECK(layer >= 0 && layer < kv.size(0), "layer ", layer, " of ", kv.size(0));
+  const int64_t kv_heads = kv.size(4), d = kv.size(5);
+  const int64_t num_slots = kv.size(2) * kv.size(3);
+  for (const at::Tensor* x : {&k, &v}) {
+    TORCH_CHECK(x->dim() == 3 && x->size(1) == kv_heads && x->size(2) == d &&
+                    x->scalar_type() == at::kFloat && x->stride(2) == 1,
+                "k and v must be float32 [tokens, ", kv_heads, ", ", d, "] with contiguous rows");
+  }
+  const int64_t tokens = k.size(0);
+  TORCH_CHECK(v.size(0) == tokens && slot_mapping.dim() == 1 && slot_mapping.size(0) == tokens &&
+                  slot_mapping.scalar_type() == at::kLong,
+              "slot_mapping must be int64 [tokens]");
+  const at::Tensor slots = slot_mapping.contiguous();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t slot_floats = kv_heads * d;
+  float* keys = kv.data_ptr<float>() + layer * 2 * num_slots * slot_floats;
+  float* values = keys + num_slots * slot_floats;
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "slot ", slot[t], " is not in the pool");
+  }
+  for (int64_t t = 0; t < tokens; ++t) {
+    const float* kt = k.data_ptr<float>() + t * k.stride(0);
+    const float* vt = v.data_ptr<float>() + t * v.stride(0);
+    float* kd = keys + slot[t] * slot_floats;
+    float* vd = values + slot[t] * slot_floats;
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      std::memcpy(kd + h * d, kt + h * k.stride(1), d * sizeof(float));
+      std::memcpy(vd + h * d, vt + h * v.stride(1), d * sizeof(float));
+    }
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(metrale_cpu, m) {
+  m.def("store_kv(Tensor(a!) kv, int layer, Tensor slot_mapping, Tensor k, Tensor v) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(metrale_cpu, CPU, m) { m.impl("store_kv", &store_kv); }
