@@ -114,10 +114,13 @@ class EngineConfig:
 # layer's kernels) hardly depends on its tokens, so on a GPU small steps leave it waiting on the
 # host: B5's 64 x 2048-token prompts on Qwen3-0.6B took 1.61 s at 2,048 tokens a step (about
 # 0.7 s of it kernels) and 0.50 s at 8,192 on the H200 (`bench/gpu_suite.py profile_b5`). vLLM
-# and SGLang chunk at 8,192 on GPUs of this size too. On CPU the forward dominates, and smaller
-# chunks let decodes in sooner.
+# and SGLang chunk at 8,192 on GPUs of this size too. On a CPU the products bound a step, and
+# they reach the cores' peak by 256 rows (peers.md's Llama on 2 cores: 182 GFLOP/s at 128 rows,
+# 194 at 256, 197 at 2,048), so chunks of 256 lose nothing to bigger ones, and prompts that
+# arrive together get their first tokens in turn instead of all at the end: 16 streams' median
+# TTFT 601 -> 310 ms at the same throughput (`bench/peer_cpu.py --against-args`, BENCHMARKS.md).
 GPU_PREFILL_TOKENS = 8192
-CPU_PREFILL_TOKENS = 2048
+CPU_PREFILL_TOKENS = 256
 
 
 @dataclass
