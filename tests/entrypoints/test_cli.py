@@ -87,14 +87,14 @@ def test_kv_cache_dtype_flag_sizes_the_pool(qwen3_dir):
 
 
 def test_prefill_budget_defaults_by_device(qwen3_dir, monkeypatch):
-    """8,192 prompt tokens a step on a GPU (host-bound steps below that), 2,048 on CPU; the flag
+    """8,192 prompt tokens a step on a GPU (host-bound steps below that), 256 on CPU; the flag
     wins on both, and the step's whole budget adds a token per batched request."""
     from metrale import engine_args
 
     parser = build_parser()
     flags = ["serve", "--model-from-path", str(qwen3_dir), "--max-num-seqs", "16"]
     cpu = EngineArgs.from_cli(parser.parse_args(flags)).create_config().scheduler
-    assert (cpu.max_prefill_tokens, cpu.max_num_batched_tokens) == (2048, 2048 + 16)
+    assert (cpu.max_prefill_tokens, cpu.max_num_batched_tokens) == (256, 256 + 16)
     chosen = [*flags, "--max-prefill-tokens", "100"]
     assert EngineArgs.from_cli(parser.parse_args(chosen)).create_config().scheduler == (
         dataclasses.replace(cpu, max_prefill_tokens=100, max_num_batched_tokens=116)
