@@ -12,8 +12,11 @@ is "fill the buffers, replay". Rows past the real batch are padding that stores 
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -33,6 +36,24 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
     if not sizes or sizes[-1] != max_batch:
         sizes.append(max_batch)
     return sorted(set(sizes))
+
+
+@contextmanager
+def _no_garbage_collection() -> Iterator[None]:
+    """Python's collector held off while graphs are captured, as SGLang and vLLM do: a
+    collection inside a capture can run the finalizers of unrelated objects, and a finalizer's
+    CUDA call that is illegal in a capture (an event's query, a pinned buffer's release)
+    invalidates it (`cudaErrorStreamCaptureInvalidated`). One run of the GPU tests on an H100
+    failed so (2026-12-05), and the runs since have not; whatever is garbage is collected
+    first."""
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 @dataclass
@@ -68,8 +89,9 @@ class DecodeGraphs:
     @torch.inference_mode()
     def capture(self) -> None:
         start = time.perf_counter()
-        for num_seqs in reversed(self.sizes):
-            self.graphs[num_seqs] = self._capture(num_seqs)
+        with _no_garbage_collection():
+            for num_seqs in reversed(self.sizes):
+                self.graphs[num_seqs] = self._capture(num_seqs)
         logger.info(
             "captured %d decode CUDA graphs (batch sizes %s) in %.1f s",
             len(self.sizes),
