@@ -269,3 +269,43 @@ def test_speculative_verify_steps_replay_cuda_graphs(tmp_path, scheduling):
         for step, token in enumerate(a.token_ids):
             assert abs(a.logprobs[step][token].logprob - b.logprobs[step][token].logprob) < 2e-2
     assert llm.engine.scheduler.kv_cache.pool.num_used_blocks == 0
+
+
+@pytest.mark.gpu
+def test_garbage_collected_while_graphs_capture_cannot_invalidate_them(tmp_path, monkeypatch):
+    """Garbage whose finalizer makes a CUDA call that is illegal in a capture (a device sync)
+    becomes collectable as each graph's capture begins, and the collector runs at every
+    allocation: every graph captures, the engine serves, and the finalizers ran outside every
+    capture (runner/cuda_graphs.py holds the collector off)."""
+    import gc
+
+    finalized: list[bool] = []
+
+    class Cycle:
+        def __init__(self) -> None:
+            self.me = self
+
+        def __del__(self) -> None:
+            finalized.append(torch.cuda.is_current_stream_capturing())
+            torch.cuda.synchronize()
+
+    begin = torch.cuda.CUDAGraph.capture_begin
+
+    def capture_begin(self, *args, **kwargs):
+        begin(self, *args, **kwargs)
+        Cycle()  # unreachable from here on: garbage while the stream captures
+
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_begin", capture_begin)
+    threshold = gc.get_threshold()
+    gc.set_threshold(1)
+    try:
+        llm = LLM(model_from_path=str(build_checkpoint(tmp_path, "qwen3")), device="cuda")
+    finally:
+        gc.set_threshold(*threshold)
+        monkeypatch.undo()
+    graphs = llm.engine.runner.graphs
+    assert graphs is not None and sorted(graphs.graphs) == graphs.sizes
+    outputs = llm.generate(prompts((5, 17, 40)), PARAMS, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [16, 16, 16]
+    gc.collect()
+    assert len(finalized) == len(graphs.sizes) and not any(finalized)

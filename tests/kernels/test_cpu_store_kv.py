@@ -16,7 +16,6 @@ from tests.conftest import needs_cpu_kernels
 pytestmark = needs_cpu_kernels
 
 
-
 @pytest.fixture(autouse=True)
 def built():
     assert cpu_extension.available()
