@@ -14,8 +14,8 @@ ops (`metrale_cpu::*`) eager code and compiled graphs call as they are:
   otherwise gather every row's blocks into a padded copy and then run SDPA over it, and for the
   compiled steps of several rows.
 - `store_kv`: a compiled decode step's keys and values written to their slots of the pool, one
-  call a layer (the torch formula's two `index_copy_` through views took ~35 us a call, most of it
-  dispatch).
+  call a layer (the torch formula's two `index_copy_` through views took 37-54 us a call, most
+  of it dispatch).
 - `silu_and_mul`, `rms_norm` / `add_rms_norm` and `rotary_`: the operators around the products
   of an eager step (prompts chiefly), each one pass where torch takes two to five (`takes` says
   where they run).

@@ -43,9 +43,8 @@ def _no_garbage_collection() -> Iterator[None]:
     """Python's collector held off while graphs are captured, as SGLang and vLLM do: a
     collection inside a capture can run the finalizers of unrelated objects, and a finalizer's
     CUDA call that is illegal in a capture (an event's query, a pinned buffer's release)
-    invalidates it (`cudaErrorStreamCaptureInvalidated`). One run of the GPU tests on an H100
-    failed so (2026-12-05), and the runs since have not; whatever is garbage is collected
-    first."""
+    invalidates it (`cudaErrorStreamCaptureInvalidated`: one run of the GPU tests on an H100 failed
+    with it on 2026-12-05, the runs since have not). Whatever is garbage is collected first."""
     gc.collect()
     was_enabled = gc.isenabled()
     gc.disable()

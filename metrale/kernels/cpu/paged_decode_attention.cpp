@@ -41,12 +41,12 @@ inline float dot(const float* a, const float* b, int64_t d) {
 
 // w[0, n) = weight_of(w - m), SIMD-wide, returned with their sum.
 inline float weigh(float* w, int64_t n, float m) {
-  const Vec shift(m), floor(-80.f), zero(0.f);
+  const Vec shift(m), cutoff(-80.f), zero(0.f);
   Vec sum(0.f);
   for (int64_t j = 0; j < n; j += Vec::size()) {
     const int64_t count = std::min<int64_t>(Vec::size(), n - j);
     const Vec x = Vec::loadu(w + j, count) - shift;
-    const Vec e = Vec::blendv(x.exp(), zero, x < floor);
+    const Vec e = Vec::blendv(x.exp(), zero, x < cutoff);
     e.store(w + j, count);
     sum += count == Vec::size() ? e : Vec::set(zero, e, count);
   }
@@ -59,7 +59,9 @@ inline void accumulate(float* acc, float c, const float* w, const float* v, int6
                        int64_t stride, int64_t d) {
   for (int64_t j = 0; j < d; j += Vec::size()) {
     Vec a = Vec::loadu(acc + j) * Vec(c);
-    for (int64_t t = 0; t < n; ++t) a = at::vec::fmadd(Vec(w[t]), Vec::loadu(v + t * stride + j), a);
+    for (int64_t t = 0; t < n; ++t) {
+      a = at::vec::fmadd(Vec(w[t]), Vec::loadu(v + t * stride + j), a);
+    }
     a.store(acc + j);
   }
 }

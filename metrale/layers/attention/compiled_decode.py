@@ -9,10 +9,10 @@ recomputes the scores for each of the softmax's passes. Steps of several rows ca
 `paged_decode_attention` instead, where it builds; at one row the reductions measured faster.)
 
 The step's keys and values are written by `store_kv` (or its C++ twin where the kernels run), a
-custom op that mutates the whole pool
-(`[num_layers, 2, num_blocks, block_size, kv_heads, head_dim]`, an input of the graph) in place,
-and each layer reads its keys and values as views of that input taken inside the graph: a
-mutation of a layer's own slice, a view made outside, makes the compiled graph copy the pool.
+custom op that mutates the whole pool (`[num_layers, 2, num_blocks, block_size, kv_heads,
+head_dim]`, an input of the graph) in place, and each layer reads its keys and values as views
+of that input taken inside the graph: a mutation of a layer's own slice, a view made outside,
+makes the compiled graph copy the pool.
 """
 
 from __future__ import annotations
