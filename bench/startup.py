@@ -91,14 +91,18 @@ def one_start(model: Path, triton_cache: Path, extra: list[str], log: Path) -> d
     if m := GRAPHS.search(text):
         result["graph_capture_s"] = float(m[1])
     # Before the first log line: the interpreter, imports, the argument parsing. Between the
-    # fifth phase's end and the engine's ready line, less the engine's own seconds: the engine
-    # process's start (its interpreter, imports, the device's context).
+    # engine process's launch (its log line; a tree from before it had one launched it after
+    # the fifth phase) and the engine's ready line, less the engine's own seconds: the engine
+    # process's start (its interpreter, imports, config, the device's context).
     if m := STAMP.search(text):
         result["to_first_log_s"] = stamp(m[1]) - spawned
-    engine_line = next((line for line in text.splitlines() if "engine ready in" in line), None)
-    phase5 = next((line for line in text.splitlines() if "[ 5/" in line), None)
-    if engine_line and phase5 and "engine" in result:
-        between = stamp(engine_line[:23]) - stamp(phase5[:23])
+    lines = text.splitlines()
+    engine_line = next((line for line in lines if "engine ready in" in line), None)
+    launch = next((line for line in lines if "engine core process" in line), None)
+    launch = launch or next((line for line in lines if "[ 5/" in line), None)
+    if engine_line and launch and "engine" in result:
+        result["engine_launched_s"] = stamp(launch[:23]) - spawned
+        between = stamp(engine_line[:23]) - stamp(launch[:23])
         result["engine_process_start_s"] = between - result["engine"]["engine_s"]
     return result
 
@@ -123,6 +127,7 @@ def main() -> None:
     results = {
         "date": datetime.date.today().isoformat(),
         "git_sha": os.environ.get("GIT_SHA", ""),
+        "tree": os.environ.get("TREE", "this checkout"),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "model": "Llama-3.1-8B shape, dummy bf16 weights",
         "serve_args": args.serve_args,

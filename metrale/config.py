@@ -13,27 +13,32 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from metrale.distributed.sharding import check_split
 
+if TYPE_CHECKING:
+    import torch
+
+# Names of torch's dtypes, looked up when a config is resolved: `met serve` reads its flags and
+# starts the engine process before it imports torch (entrypoints/cli/serve.py).
 _DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
+    "float32": "float32",
+    "fp32": "float32",
+    "float": "float32",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
 }
 
 
 def parse_dtype(name: str) -> torch.dtype:
+    import torch
+
     try:
-        return _DTYPES[name.removeprefix("torch.")]
+        return getattr(torch, _DTYPES[name.removeprefix("torch.")])
     except KeyError:
         allowed = ", ".join(sorted({"float32", "float16", "bfloat16"}))
         raise ValueError(f"dtype={name!r} is not supported: use one of {allowed} or auto") from None
@@ -42,23 +47,27 @@ def parse_dtype(name: str) -> torch.dtype:
 # fp8 caches store each key and value as it is (scale 1, as vLLM without calibrated scales),
 # saturated to the format's largest finite value: half the bytes of bf16 to read every step.
 _KV_CACHE_DTYPES = {
-    "fp8": torch.float8_e4m3fn,
-    "fp8_e4m3": torch.float8_e4m3fn,
-    "fp8_e5m2": torch.float8_e5m2,
+    "fp8": "float8_e4m3fn",
+    "fp8_e4m3": "float8_e4m3fn",
+    "fp8_e5m2": "float8_e5m2",
 }
 KV_CACHE_DTYPE_NAMES = ("auto", *_KV_CACHE_DTYPES)
 
 
 def is_fp8(dtype: torch.dtype) -> bool:
+    import torch
+
     return dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def parse_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     """The KV pool's element type: `auto` stores keys and values in the model's dtype."""
+    import torch
+
     if name == "auto":
         return model_dtype
     try:
-        return _KV_CACHE_DTYPES[name]
+        return getattr(torch, _KV_CACHE_DTYPES[name])
     except KeyError:
         allowed = ", ".join(KV_CACHE_DTYPE_NAMES)
         raise ValueError(

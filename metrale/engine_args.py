@@ -1,8 +1,8 @@
 """Engine flags: one dataclass shared by `met` subcommands and the offline `LLM` class.
 
 `EngineArgs` is what the user typed; `create_config()` resolves it once into an `EngineConfig`
-(model directory found, dtype and device chosen, KV pool sized), so nothing downstream reads a
-flag twice or has to guess a default.
+(engine_config.py). This module imports no torch: `met serve` parses its flags and starts the
+engine process before the API process imports torch.
 """
 
 from __future__ import annotations
@@ -10,30 +10,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from metrale import envs
 from metrale.checkpoint.resolve import resolve_model_dir
-from metrale.config import (
-    KV_CACHE_DTYPE_NAMES,
-    PREEMPTION_MODES,
-    CacheConfig,
-    ModelConfig,
-    SchedulerConfig,
-    is_fp8,
-    parse_dtype,
-    parse_kv_cache_dtype,
-)
-from metrale.distributed.launch import Launch
+from metrale.config import KV_CACHE_DTYPE_NAMES, PREEMPTION_MODES
 from metrale.engine.scheduling_policy import POLICIES
 from metrale.engine.speculation.config import SpeculativeConfig
-from metrale.generation_config import GenerationDefaults
-from metrale.layers.attention import resolve_backend
+
+if TYPE_CHECKING:
+    from metrale.engine_config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -62,52 +50,6 @@ def parse_bytes(text: str) -> int:
     if not match or unit not in _SIZE_UNITS:
         raise ValueError(f"{text!r} is not a size: write e.g. 2GiB, 512MiB or 1000000000")
     return int(float(match.group(1)) * _SIZE_UNITS[unit])
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    model_dir: Path
-    model_name: str
-    model: ModelConfig
-    generation: GenerationDefaults
-    dtype: torch.dtype
-    device: torch.device
-    load_format: str
-    seed: int
-    cache: CacheConfig
-    scheduler: SchedulerConfig
-    chat_template: Path | None
-    is_demo: bool
-    attention_backend: str = "torch"
-    max_cuda_graph_batch: int = 0  # 0: no CUDA graphs
-    compile_cpu_decode: bool = False  # a CPU's decode steps through torch.compile
-    tokenizer_eos_token_id: int | None = None
-    async_scheduling: bool = False  # prepare step N+1 while step N runs
-    quantization: str | None = None  # gguf: GGUF linear weights stay packed
-    log_stats: bool = True  # each step's figures (StepStats) and the server's /metrics
-    speculative: SpeculativeConfig | None = None  # None: no speculative decoding
-    # Engine cores behind the API server (--data-parallel-size), and which one this is: core i
-    # runs on the devices from i x tensor_parallel_size on.
-    data_parallel_size: int = 1
-    data_parallel_rank: int = 0
-    launch: Launch = field(default_factory=Launch)  # the nodes the ranks run on
-
-    def for_core(self, rank: int) -> EngineConfig:
-        """This config as data-parallel core `rank` runs it: on its own devices."""
-        device = self.device
-        if device.type == "cuda":
-            device = torch.device("cuda", rank * self.model.tensor_parallel_size)
-        return dataclasses.replace(self, data_parallel_rank=rank, device=device)
-
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        """generation_config.json's, config.json's and the tokenizer's EOS, as vLLM takes them."""
-        tokenizer_eos = (
-            () if self.tokenizer_eos_token_id is None else (self.tokenizer_eos_token_id,)
-        )
-        return tuple(
-            dict.fromkeys(self.generation.eos_token_ids + self.model.eos_token_ids + tokenizer_eos)
-        )
 
 
 # Prompt tokens per step by default. A prefill step's host work (the eager launches of every
@@ -403,189 +345,8 @@ class EngineArgs:
         return resolve_model_dir(self.model, self.model_from_path, self.gguf_file)
 
     def create_config(self, model_dir: Path | None = None) -> EngineConfig:
-        from metrale import demo
+        """Resolve these flags once: the model directory found, dtype and device chosen, the KV
+        pool sized (`engine_config.py`, which imports torch)."""
+        from metrale.engine_config import create_config
 
-        is_demo = self.is_demo
-        model_dir = model_dir or self.resolve_model_dir()
-        model_config = ModelConfig.from_dir(model_dir).with_tensor_parallel(
-            self.tensor_parallel_size
-        )
-        dtype = model_config.dtype if self.dtype == "auto" else parse_dtype(self.dtype)
-        kv_cache_dtype = parse_kv_cache_dtype(self.kv_cache_dtype, dtype)
-        device = _resolve_device(self.device)
-        launch = Launch.from_flags(self.nnodes, self.node_rank, self.master_addr, self.master_port)
-        _check_ranks(self.tensor_parallel_size, self.data_parallel_size, launch, device)
-        if self.quantization == "gguf":
-            from metrale.runner.model_loader import weights_format
-
-            if (kind := weights_format(model_dir, self.load_format)) != "gguf":
-                raise ValueError(
-                    f"--quantization gguf keeps a GGUF file's weights packed, and {model_dir} "
-                    f"loads as {kind}: serve a .gguf file"
-                )
-
-        max_seq_len = self.max_seq_len or model_config.max_position_embeddings
-        if max_seq_len > model_config.max_position_embeddings:
-            raise ValueError(
-                f"max_seq_len={max_seq_len} exceeds the model's max_position_embeddings "
-                f"({model_config.max_position_embeddings})"
-            )
-        max_batch_size = min(self.max_batch_size or self.max_num_seqs, self.max_num_seqs)
-        max_prefill_tokens = self.max_prefill_tokens or (
-            GPU_PREFILL_TOKENS if device.type == "cuda" else CPU_PREFILL_TOKENS
-        )
-        scheduler = SchedulerConfig(
-            max_num_seqs=self.max_num_seqs,
-            max_batch_size=max_batch_size,
-            max_prefill_tokens=max_prefill_tokens,
-            max_num_batched_tokens=self.max_num_batched_tokens
-            or max_prefill_tokens + max_batch_size,
-            max_seq_len=max_seq_len,
-            policy=self.scheduler,
-            tbt_deadline_ms=self.tbt_deadline_ms,
-            preemption_mode=self.preemption_mode,
-        )
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(
-                f"gpu_memory_utilization={self.gpu_memory_utilization} is out of range: "
-                f"must be in (0, 1]"
-            )
-        num_blocks = self.num_kv_blocks
-        if num_blocks is None and device.type != "cuda":
-            budget = parse_bytes(self.kv_cache_memory)
-            num_blocks = _num_blocks_for(budget, model_config, self.block_size, kv_cache_dtype)
-        if not (math.isfinite(self.swap_space_gb) and self.swap_space_gb >= 0):
-            raise ValueError(f"swap_space_gb={self.swap_space_gb} is out of range: must be >= 0")
-        per_block = CacheConfig.bytes_per_block(model_config, self.block_size, kv_cache_dtype)
-        cache = CacheConfig(
-            block_size=self.block_size,
-            num_blocks=num_blocks,
-            enable_prefix_caching=self.enable_prefix_caching,
-            dtype=kv_cache_dtype,
-            gpu_memory_utilization=self.gpu_memory_utilization,
-            num_host_blocks=int(self.swap_space_gb * 2**30 // per_block),
-        )
-        return EngineConfig(
-            model_dir=model_dir,
-            model_name=demo.MODEL_NAME if is_demo else (self.model or str(model_dir)),
-            model=model_config,
-            generation=_generation_defaults(model_dir, model_config),
-            dtype=dtype,
-            device=device,
-            load_format=self.load_format,
-            quantization=self.quantization,
-            seed=self.seed,
-            cache=cache,
-            scheduler=scheduler,
-            chat_template=Path(self.chat_template) if self.chat_template else None,
-            is_demo=is_demo,
-            tokenizer_eos_token_id=_tokenizer_eos(model_dir, model_config),
-            attention_backend=resolve_backend(self.attention_backend, device),
-            # (the ranks past 0 do not replay graphs yet: tensor parallelism runs eager)
-            max_cuda_graph_batch=0
-            if self.enforce_eager or device.type != "cuda" or self.tensor_parallel_size > 1
-            else self.max_cuda_graph_batch,
-            compile_cpu_decode=not self.enforce_eager
-            and device.type == "cpu"
-            and self.tensor_parallel_size == 1
-            and self.quantization is None
-            and not is_fp8(kv_cache_dtype)
-            and resolve_backend(self.attention_backend, device) == "torch"
-            and envs.compile_cpu_decode(),
-            async_scheduling=self.scheduler_config == "async"
-            or (self.scheduler_config == "auto" and device.type == "cuda"),
-            log_stats=not self.disable_log_stats,
-            speculative=SpeculativeConfig.parse(
-                self.speculative_config,
-                self.num_speculative_tokens,
-                self.ngram_min,
-                self.ngram_max,
-                self.shared_lookup,
-                self.shared_lookup_entries,
-                self.speculation_cost_model,
-            ),
-            data_parallel_size=self.data_parallel_size,
-            launch=launch,
-        )
-
-
-def _check_ranks(
-    tensor_parallel_size: int, data_parallel_size: int, launch: Launch, device: torch.device
-) -> None:
-    if data_parallel_size < 1:
-        raise ValueError(f"data_parallel_size={data_parallel_size} is out of range: must be >= 1")
-    if launch.nnodes > 1 and data_parallel_size > 1:
-        raise ValueError(
-            "data parallelism across nodes is not supported: run a server on each node (or "
-            "--data-parallel-size on one node)"
-        )
-    num_ranks = launch.ranks_per_node(tensor_parallel_size) * data_parallel_size
-    if device.type == "cuda" and 1 < num_ranks > torch.cuda.device_count():
-        raise ValueError(
-            f"tensor_parallel_size={tensor_parallel_size} x data_parallel_size="
-            f"{data_parallel_size} needs {num_ranks} GPUs, a GPU per rank; this host has "
-            f"{torch.cuda.device_count()}"
-        )
-
-
-def _tokenizer_eos(model_dir: Path, model: ModelConfig) -> int | None:
-    """The tokenizer's EOS id, once the tokenizer is checked to fit the model's vocabulary."""
-    if not (model_dir / "tokenizer.json").is_file():
-        return None  # dummy-weight benchmarks may ship config.json alone
-    from metrale.tokenizer import Tokenizer
-
-    tokenizer = Tokenizer.from_dir(model_dir)
-    tokenizer.check_fits_vocab(model.vocab_size)
-    eos_id = tokenizer.eos_token_id
-    if eos_id is not None and eos_id >= model.vocab_size:
-        # An added token past the embedding: the model can never sample it, and masking it
-        # (min_tokens) would index past the logits.
-        logger.warning(
-            "the tokenizer's EOS token id %d is outside the model's vocabulary of %d: ignoring it",
-            eos_id,
-            model.vocab_size,
-        )
-        return None
-    return eos_id
-
-
-def _generation_defaults(model_dir: Path, model: ModelConfig) -> GenerationDefaults:
-    """generation_config.json's defaults, checked now so that no request fails on them later."""
-    from metrale.sampling_params import SamplingParams
-
-    defaults = GenerationDefaults.from_dir(model_dir)
-    path = model_dir / "generation_config.json"
-    bad_eos = [t for t in defaults.eos_token_ids if t >= model.vocab_size]
-    if bad_eos:
-        raise ValueError(
-            f"{path}: eos_token_id {bad_eos[0]} is outside the model's vocabulary of "
-            f"{model.vocab_size} tokens (config.json vocab_size): the files come from different "
-            f"models"
-        )
-    try:
-        SamplingParams(**defaults.sampling_overrides())
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"{path} holds sampling defaults no request could use: {e}") from e
-    return defaults
-
-
-def _resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device={name!r} but no CUDA device is visible: use --device cpu")
-    return device
-
-
-def _num_blocks_for(
-    budget_bytes: int, model: ModelConfig, block_size: int, dtype: torch.dtype
-) -> int:
-    per_block = CacheConfig.bytes_per_block(model, block_size, dtype)
-    num_blocks = budget_bytes // per_block
-    if num_blocks < 1:
-        raise ValueError(
-            f"kv_cache_memory={budget_bytes} bytes holds no block of {per_block} bytes: "
-            f"raise --kv-cache-memory"
-        )
-    return num_blocks
+        return create_config(self, model_dir or self.resolve_model_dir())

@@ -22,16 +22,18 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 from tqdm import tqdm
 
 from metrale import envs
-from metrale.checkpoint.weights import CheckpointError
+from metrale.checkpoint import CheckpointError
 from metrale.config import ModelConfig
 from metrale.distributed.sharding import TensorSlice
+
+if TYPE_CHECKING:
+    import torch
 
 SUFFIX = ".gguf"
 MAGIC = b"GGUF"
@@ -259,6 +261,7 @@ def iter_tensors(
     With `slice_of` (tensor parallelism), each tensor's part this rank holds, read alone from
     the mapped file where the part falls on the type's blocks (rows always do; a split of the
     columns must be a whole number of blocks), else dequantized whole and then sliced."""
+    import torch
     from gguf.quants import dequantize
 
     permuted = config.model_type in PERMUTED

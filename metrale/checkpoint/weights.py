@@ -18,16 +18,13 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from metrale.checkpoint import CheckpointError
 from metrale.config import MAX_NUM_PARAMETERS
 from metrale.distributed.sharding import TensorSlice
 
 logger = logging.getLogger(__name__)
 
 FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-
-
-class CheckpointError(ValueError):
-    pass
 
 
 @dataclass(frozen=True)

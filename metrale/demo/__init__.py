@@ -17,10 +17,6 @@ import tempfile
 from importlib import resources
 from pathlib import Path
 
-import torch
-from safetensors.torch import save_file
-from tokenizers import Tokenizer
-
 from metrale import envs
 
 logger = logging.getLogger(__name__)
@@ -110,6 +106,10 @@ def ensure_checkpoint() -> Path:
 
 
 def _write_checkpoint(out: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer
+
     from metrale.checkpoint.weights import iter_dummy_tensors
     from metrale.config import ModelConfig
     from metrale.models import model_class_for

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from metrale.engine_args import EngineConfig
+from metrale.engine_config import EngineConfig
 
 SAMPLE_BYTES = 1 << 20
 WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin")

@@ -9,8 +9,10 @@ looked up, and their logits are cut off); any other uneven split is a ValueError
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)

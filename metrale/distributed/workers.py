@@ -33,7 +33,7 @@ from metrale.distributed.parallel_state import (
 )
 from metrale.distributed.setup_check import check_same_setup
 from metrale.distributed.step_message import receive_step, send_stop
-from metrale.engine_args import EngineConfig
+from metrale.engine_config import EngineConfig
 
 logger = logging.getLogger(__name__)
 

@@ -12,9 +12,12 @@ where the system has the library (Debian/Ubuntu: `apt-get install libtcmalloc-mi
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import ctypes.util
+import importlib.util
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 KNOWN = ("tcmalloc", "jemalloc", "mimalloc")
 
@@ -52,3 +55,27 @@ def engine_process_allocator(use_tcmalloc: bool) -> Iterator[str]:
             del os.environ["LD_PRELOAD"]
         else:
             os.environ["LD_PRELOAD"] = before
+
+
+def engine_runs_on_cpu(device: str) -> bool:
+    """Whether `--device` resolves to a CPU, told without importing torch: the allocator must be
+    chosen before the engine process starts, which `met serve` does before it imports torch.
+    `auto` finds what torch.cuda.is_available() would: a GPU where torch is a CUDA build and
+    the CUDA driver counts a device (CUDA_VISIBLE_DEVICES applies)."""
+    if device != "auto":
+        return device.partition(":")[0] == "cpu"
+    spec = importlib.util.find_spec("torch")
+    if spec is None or spec.origin is None:
+        return True
+    if not any((Path(spec.origin).parent / "lib").glob("libtorch_cuda*")):
+        return True  # a CPU build of torch
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return True  # no CUDA driver
+    count = ctypes.c_int(0)
+    return (
+        driver.cuInit(0) != 0
+        or driver.cuDeviceGetCount(ctypes.byref(count)) != 0
+        or (count.value == 0)
+    )

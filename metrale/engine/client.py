@@ -17,13 +17,13 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import zmq
 import zmq.asyncio
 
 from metrale import envs
-from metrale.engine.allocator import engine_process_allocator
-from metrale.engine.core_loop import run_engine_core
+from metrale.engine.allocator import engine_process_allocator, engine_runs_on_cpu
 from metrale.engine.messages import (
     EngineRequest,
     Failed,
@@ -35,7 +35,10 @@ from metrale.engine.messages import (
     decode,
     encode,
 )
-from metrale.engine_args import EngineConfig
+from metrale.engine.spawn import EngineSpec, run_engine_process
+
+if TYPE_CHECKING:
+    from metrale.engine_config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -47,16 +50,19 @@ class EngineDeadError(RuntimeError):
 
 
 class EngineClient:
+    config: EngineConfig  # as resolved, with the engine's KV pool size once it is ready
+
     def __init__(
         self,
-        config: EngineConfig,
+        config: EngineConfig | None,
         worker: multiprocessing.process.BaseProcess | threading.Thread,
         context: zmq.asyncio.Context,
         to_engine: zmq.asyncio.Socket,
         from_engine: zmq.asyncio.Socket,
         socket_dir: Path,
     ) -> None:
-        self.config = config
+        if config is not None:
+            self.config = config  # else set by ready(): the engine resolves its own
         self._worker = worker
         self._context = context
         self._to_engine = to_engine
@@ -71,6 +77,15 @@ class EngineClient:
         cls, config: EngineConfig, *, in_process: bool = False, startup_timeout_s: float = 900.0
     ) -> EngineClient:
         """Launch the engine core and wait until it has loaded the model."""
+        client = cls.launch(config, in_process=in_process)
+        await client.ready(config, startup_timeout_s)
+        return client
+
+    @classmethod
+    def launch(cls, engine: EngineConfig | EngineSpec, *, in_process: bool = False) -> EngineClient:
+        """Start the engine core without waiting for it: it loads the model while the caller
+        goes on, until `ready()`. Given an `EngineSpec` the engine resolves the flags itself,
+        and nothing here imports torch (`spawn.py`)."""
         socket_dir = Path(tempfile.mkdtemp(prefix="metrale-"))
         input_addr = f"ipc://{socket_dir}/input"
         output_addr = f"ipc://{socket_dir}/output"
@@ -79,42 +94,57 @@ class EngineClient:
         to_engine.bind(input_addr)
         from_engine = context.socket(zmq.PULL)
         from_engine.bind(output_addr)
+        if isinstance(engine, EngineSpec):
+            config, args = None, engine.engine_args
+            tensor_parallel_size, on_cpu = (
+                args.tensor_parallel_size,
+                engine_runs_on_cpu(args.device),
+            )
+        else:
+            config = engine
+            tensor_parallel_size = engine.model.tensor_parallel_size
+            on_cpu = engine.device.type == "cpu"
         worker: multiprocessing.process.BaseProcess | threading.Thread
         if in_process:
+            from metrale.engine.core_loop import run_engine_core
+
             worker = threading.Thread(
                 target=run_engine_core,
                 name="engine-core",
                 daemon=True,
-                args=(config, input_addr, output_addr, None, True),
+                args=(engine, input_addr, output_addr, None, True),
             )
         else:
             worker = multiprocessing.get_context("spawn").Process(
-                target=run_engine_core,
+                target=run_engine_process,
                 name="metrale-engine-core",
                 # It starts the tensor-parallel ranks past 0 itself, which a daemonic process
                 # may not; it exits when this process goes away either way (core_loop.py).
-                daemon=config.model.tensor_parallel_size == 1,
-                args=(config, input_addr, output_addr),
+                daemon=tensor_parallel_size == 1,
+                args=(engine, input_addr, output_addr),
             )
-        with engine_process_allocator(
-            not in_process and config.device.type == "cpu" and envs.tcmalloc()
-        ) as allocator:
+        with engine_process_allocator(not in_process and on_cpu and envs.tcmalloc()) as allocator:
             worker.start()
+        if isinstance(worker, multiprocessing.process.BaseProcess):
+            logger.info("engine core process %d started", worker.pid)
         if allocator != "glibc":
             logger.info("engine process allocator: %s", allocator)
-        client = cls(config, worker, context, to_engine, from_engine, socket_dir)
+        return cls(config, worker, context, to_engine, from_engine, socket_dir)
+
+    async def ready(self, config: EngineConfig, startup_timeout_s: float = 900.0) -> None:
+        """Wait until the engine has loaded the model (stopping it if that fails or times out).
+        `config`: the flags as this process resolved them; the KV pool's size is the engine's."""
         try:
-            ready = await asyncio.wait_for(client._wait_ready(), startup_timeout_s)
+            ready = await asyncio.wait_for(self._wait_ready(), startup_timeout_s)
         except BaseException:
-            await client.shutdown()
+            await self.shutdown()
             raise
-        client.kv_cache = ready.kv_cache
-        client.forward = ready.forward
+        self.kv_cache = ready.kv_cache
+        self.forward = ready.forward
         # On a GPU the engine sized its pool after loading; validation here needs the size.
-        client.config = dataclasses.replace(
+        self.config = dataclasses.replace(
             config, cache=dataclasses.replace(config.cache, num_blocks=ready.kv_cache.num_blocks)
         )
-        return client
 
     async def _wait_ready(self) -> Ready:
         while True:
@@ -152,8 +182,11 @@ class EngineClient:
                 return payload
 
     async def _receive(self) -> tuple[MessageKind, object]:
+        # Liveness is checked only once nothing is left to read: an engine that fails sends
+        # FAILED and exits, and its reason must not be lost to a bare "exited".
         while True:
-            self._check_alive()
+            if self._from_engine.closed:  # shut down
+                raise EngineDeadError(self._dead_reason or "the engine core was shut down")
             if await self._from_engine.poll(LIVENESS_POLL_MS):
                 kind, payload = decode(await self._from_engine.recv_multipart())
                 if kind is MessageKind.FAILED:
@@ -161,13 +194,16 @@ class EngineClient:
                     self._dead_reason = f"the engine core failed: {payload.message}"
                     continue
                 return kind, payload
+            self._check_alive()
 
     def _check_alive(self) -> None:
         if not self.is_alive:
             raise EngineDeadError(self._dead_reason)
 
     async def shutdown(self, timeout_s: float = 5.0) -> None:
-        """Ask the engine to stop, then make sure it has."""
+        """Ask the engine to stop, then make sure it has (once: later calls do nothing)."""
+        if self._to_engine.closed:
+            return
         if self._worker.is_alive():
             self._to_engine.send_multipart(encode(MessageKind.SHUTDOWN, None))
             deadline = time.monotonic() + timeout_s

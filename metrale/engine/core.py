@@ -38,7 +38,7 @@ from metrale.engine.speculation.shared_lookup import SharedLookup, model_fingerp
 from metrale.engine.speculation.speculator import NgramSpeculator
 from metrale.engine.step import ModelRunnerOutput, SchedulerOutput
 from metrale.engine.swap_space import SwapCosts, SwapSpace
-from metrale.engine_args import EngineConfig
+from metrale.engine_config import EngineConfig
 from metrale.runner.model_runner import LaunchedStep, ModelRunner
 from metrale.runner.structured_output import StructuredOutputs
 

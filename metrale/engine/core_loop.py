@@ -29,8 +29,9 @@ from metrale.engine.messages import (
     decode,
     encode,
 )
+from metrale.engine.spawn import EngineSpec
 from metrale.engine.stats import forward_info, kv_cache_stats
-from metrale.engine_args import EngineConfig
+from metrale.engine_config import EngineConfig
 from metrale.telemetry import logs
 
 logger = logging.getLogger(__name__)
@@ -39,13 +40,17 @@ IDLE_POLL_MS = 500  # how often an idle engine checks that its parent is still a
 
 
 def run_engine_core(
-    config: EngineConfig,
+    engine: EngineConfig | EngineSpec,
     input_addr: str,
     output_addr: str,
     context: zmq.Context | None = None,
     in_process: bool = False,
 ) -> None:
-    """Build the engine, report READY (or FAILED), then serve until SHUTDOWN."""
+    """Build the engine, report READY (or FAILED), then serve until SHUTDOWN.
+
+    Given an `EngineSpec`, the engine resolves its config first. The API process makes the same
+    checks for itself and reports what fails them, so a failure there is only said in FAILED
+    (which the API process reads if its own checks passed), not logged twice."""
     if not in_process:
         # The API process owns Ctrl-C and SIGTERM and shuts the engine down by message.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -65,6 +70,14 @@ def run_engine_core(
     outputs.connect(output_addr)
     core = None
     try:
+        if isinstance(engine, EngineSpec):
+            try:
+                config = engine.resolve()
+            except Exception as e:
+                outputs.send_multipart(encode(MessageKind.FAILED, Failed(_one_line(e))))
+                return
+        else:
+            config = engine
         try:
             core = EngineCore.from_config(
                 config,
@@ -73,7 +86,7 @@ def run_engine_core(
             )
         except Exception as e:
             logger.exception("engine core failed to start")
-            outputs.send_multipart(encode(MessageKind.FAILED, Failed(f"{type(e).__name__}: {e}")))
+            outputs.send_multipart(encode(MessageKind.FAILED, Failed(_one_line(e))))
             return
         # Everything built so far (the block pool's tens of thousands of blocks, the model)
         # lives as long as the engine: keep it out of the garbage collector's sweeps, which
@@ -93,6 +106,10 @@ def run_engine_core(
             core.shutdown()
         outputs.close(linger=1000)
         inputs.close(linger=0)
+
+
+def _one_line(e: Exception) -> str:
+    return f"{type(e).__name__}: {e}"
 
 
 def _exit_on_rank_death(reason: str) -> None:

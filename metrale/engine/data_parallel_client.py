@@ -28,7 +28,7 @@ from metrale.engine.messages import (
 )
 from metrale.engine.request_router import RequestRouter
 from metrale.engine.swap_space import SwapStats
-from metrale.engine_args import EngineConfig
+from metrale.engine_config import EngineConfig
 
 
 class DataParallelClient:
@@ -46,24 +46,33 @@ class DataParallelClient:
     @classmethod
     async def start(cls, config: EngineConfig, *, in_process: bool = False) -> DataParallelClient:
         """Start every core (loading at once) and wait until all have loaded the model."""
-        starts = [
-            asyncio.create_task(EngineClient.start(config.for_core(i), in_process=in_process))
+        cores = [
+            EngineClient.launch(config.for_core(i), in_process=in_process)
             for i in range(config.data_parallel_size)
         ]
+        return await cls.ready(cores, config)
+
+    @classmethod
+    async def ready(cls, cores: list[EngineClient], config: EngineConfig) -> DataParallelClient:
+        """Wait until every launched core has loaded the model; if one fails, all go down.
+        `config`: the flags as this process resolved them (core 0's)."""
+        waits = [
+            asyncio.create_task(core.ready(config.for_core(i))) for i, core in enumerate(cores)
+        ]
         try:
-            clients = await asyncio.gather(*starts)
+            await asyncio.gather(*waits)
         except BaseException:
-            for task in starts:  # the cores that did start, or are starting, go down too
-                if not task.done():
-                    task.cancel()
-            for task in starts:
-                with contextlib.suppress(BaseException):
-                    await (await task).shutdown()
+            for task in waits:  # a wait that fails or is cancelled stops its core
+                task.cancel()
+            await asyncio.gather(*waits, return_exceptions=True)
+            for core in cores:  # and the cores that were ready go down too
+                with contextlib.suppress(Exception):
+                    await core.shutdown()
             raise
-        client = cls(list(clients))
+        client = cls(cores)
         client._readers = [
             asyncio.create_task(client._read(i), name=f"engine-core-{i}-outputs")
-            for i in range(len(clients))
+            for i in range(len(cores))
         ]
         return client
 

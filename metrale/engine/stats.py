@@ -10,7 +10,7 @@ import torch
 from metrale.engine.allocator import preloaded_allocator
 from metrale.engine.core import EngineCore
 from metrale.engine.messages import CPUThreads, DeviceMemory, ForwardInfo, KVCacheStats
-from metrale.engine_args import EngineConfig
+from metrale.engine_config import EngineConfig
 
 # What runs each part of a decoder layer, by attention backend (see docs/architecture.md).
 _KERNELS = {

@@ -11,7 +11,7 @@ from torch import nn
 from metrale.config import CacheConfig
 from metrale.distributed.parallel_state import tp_rank
 from metrale.distributed.step_message import receive_step
-from metrale.engine_args import EngineConfig
+from metrale.engine_config import EngineConfig
 
 logger = logging.getLogger(__name__)
 

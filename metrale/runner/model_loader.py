@@ -56,6 +56,14 @@ def preflight_checkpoint(
     return {}
 
 
+def preflight_model(model_dir: Path, load_format: str) -> None:
+    """The checkpoint's tensors against the shapes its config.json declares (every rank's),
+    before anything loads: what `met serve` checks before it waits on the engine."""
+    config = ModelConfig.from_dir(model_dir)
+    shapes = model_class_for(config.architecture).checkpoint_shapes(config)
+    preflight_checkpoint(model_dir, load_format, shapes)
+
+
 @contextlib.contextmanager
 def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
     previous = torch.get_default_dtype()

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from metrale.engine.watchdog import DEFAULT_MIN_REPEATS
-from metrale.engine_args import EngineConfig
+from metrale.engine_config import EngineConfig
 from metrale.frontend.async_llm import AsyncLLM
 from metrale.recipes import SamplingPresets
 from metrale.runner.structured_output import StructuredOutputs

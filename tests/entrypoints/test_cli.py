@@ -89,7 +89,7 @@ def test_kv_cache_dtype_flag_sizes_the_pool(qwen3_dir):
 def test_prefill_budget_defaults_by_device(qwen3_dir, monkeypatch):
     """8,192 prompt tokens a step on a GPU (host-bound steps below that), 256 on CPU; the flag
     wins on both, and the step's whole budget adds a token per batched request."""
-    from metrale import engine_args
+    from metrale import engine_config
 
     parser = build_parser()
     flags = ["serve", "--model-from-path", str(qwen3_dir), "--max-num-seqs", "16"]
@@ -99,7 +99,7 @@ def test_prefill_budget_defaults_by_device(qwen3_dir, monkeypatch):
     assert EngineArgs.from_cli(parser.parse_args(chosen)).create_config().scheduler == (
         dataclasses.replace(cpu, max_prefill_tokens=100, max_num_batched_tokens=116)
     )
-    monkeypatch.setattr(engine_args, "_resolve_device", lambda name: torch.device("cuda"))
+    monkeypatch.setattr(engine_config, "_resolve_device", lambda name: torch.device("cuda"))
     gpu = EngineArgs.from_cli(parser.parse_args(flags)).create_config().scheduler
     assert (gpu.max_prefill_tokens, gpu.max_num_batched_tokens) == (8192, 8192 + 16)
 

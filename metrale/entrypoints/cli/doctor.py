@@ -17,9 +17,9 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from metrale.engine_args import EngineArgs, EngineConfig
+from metrale.engine_args import EngineArgs
 from metrale.entrypoints.cli import Subcommand, register, serve
 from metrale.entrypoints.cli.doctor_checks import (
     Check,
@@ -37,6 +37,9 @@ from metrale.entrypoints.cli.doctor_checks import (
     safely,
 )
 from metrale.recipes import Behavior, Checkpoint
+
+if TYPE_CHECKING:
+    from metrale.engine_config import EngineConfig
 
 # As `checkpoint.resolve` reads it: the hub client's own spellings of "on".
 _OFFLINE_VALUES = ("1", "ON", "YES", "TRUE")

@@ -16,14 +16,16 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import msgspec
 import uvicorn
 
 from metrale.distributed.launch import Launch
+from metrale.engine.client import EngineClient, EngineDeadError
 from metrale.engine.messages import ForwardInfo
-from metrale.engine.stats import communication_backend, rank_devices
+from metrale.engine.spawn import EngineSpec
 from metrale.engine.watchdog import DEFAULT_MIN_REPEATS, MIN_SPAN
 from metrale.engine_args import EngineArgs
 from metrale.entrypoints.cli import Subcommand, register
@@ -205,8 +207,12 @@ def run(args: argparse.Namespace) -> int:
     )
     if launch.node_rank > 0:
         return _serve_node(engine_args)
-    with asyncio.Runner(loop_factory=_event_loop_factory()) as runner:
-        return runner.run(_serve(args))
+    try:
+        with asyncio.Runner(loop_factory=_event_loop_factory()) as runner:
+            return runner.run(_serve(args))
+    except EngineDeadError as e:  # it failed to start (and logged why, where it knew more)
+        print(f"met serve: error: {e}", file=sys.stderr)
+        return 1
 
 
 def _serve_node(engine_args: EngineArgs) -> int:
@@ -309,14 +315,43 @@ async def _start_and_serve(
     store: RecordStore,
 ) -> int:
     from metrale import demo
-    from metrale.config import ModelConfig
-    from metrale.engine.client import EngineClient
+
+    with phase("resolve model", bus):
+        model_dir = engine_args.resolve_model_dir()
+        if engine_args.is_demo:
+            logger.log(*demo.notice())
+    # The engine process starts now: it imports torch and loads the model while this process
+    # imports its own torch and server and checks the flags (a process per core with data
+    # parallelism, started once the flags are checked).
+    early = None
+    if engine_args.data_parallel_size == 1:
+        early = EngineClient.launch(
+            EngineSpec(engine_args, model_dir), in_process=args.engine_in_thread
+        )
+    try:
+        return await _serve_engine(args, engine_args, security, bus, store, model_dir, early)
+    finally:
+        if early is not None:
+            await early.shutdown()
+
+
+async def _serve_engine(
+    args: argparse.Namespace,
+    engine_args: EngineArgs,
+    security: SecurityConfig,
+    bus: EventBus,
+    store: RecordStore,
+    model_dir: Path,
+    early: EngineClient | None,
+) -> int:
+    from metrale import demo
     from metrale.engine.data_parallel_client import DataParallelClient
+    from metrale.engine.stats import communication_backend, rank_devices
     from metrale.frontend.async_llm import AsyncLLM
     from metrale.frontend.parser_selection import behavior_sources, choose_behavior
     from metrale.models import model_class_for
     from metrale.recipes import Behavior, Checkpoint, repo_id_of
-    from metrale.runner.model_loader import preflight_checkpoint
+    from metrale.runner.model_loader import preflight_model
     from metrale.server.app import build_app
     from metrale.server.security.guard import Guard
     from metrale.server.state import ServerSettings, ServerState
@@ -324,14 +359,10 @@ async def _start_and_serve(
     from metrale.telemetry.metrics import Metrics
     from metrale.tokenizer import Tokenizer
 
-    with phase("resolve model", bus):
-        model_dir = engine_args.resolve_model_dir()
-        if engine_args.is_demo:
-            logger.log(*demo.notice())
     with phase("load config", bus):
         config = engine_args.create_config(model_dir)
-        model_cls = model_class_for(config.model.architecture)
-        # Read and check the flags, MODEL.toml and recipes now, before the weights load.
+        model_class_for(config.model.architecture)  # one we cannot run is named here
+        # Read and check the flags, MODEL.toml and recipes now, before waiting on the engine.
         sources = behavior_sources(
             Behavior(
                 args.tool_call_parser,
@@ -376,12 +407,12 @@ async def _start_and_serve(
                 ", ".join(rank_devices(config)),
             )
     with phase("preflight and weights", bus):
-        shapes = model_cls.checkpoint_shapes(ModelConfig.from_dir(model_dir))
-        preflight_checkpoint(model_dir, config.load_format, shapes)
-        if config.data_parallel_size > 1:
-            client = await DataParallelClient.start(config, in_process=args.engine_in_thread)
+        preflight_model(model_dir, config.load_format)
+        if early is not None:
+            await early.ready(config)
+            client = early
         else:
-            client = await EngineClient.start(config, in_process=args.engine_in_thread)
+            client = await DataParallelClient.start(config, in_process=args.engine_in_thread)
         config = client.config  # with the KV pool size the engine settled on
     try:
         with phase("tokenizer and template", bus):

@@ -1,0 +1,48 @@
+"""What an engine core's process starts from, importable without torch.
+
+`met serve` starts the engine process as soon as it has read its flags and found the
+checkpoint, before the API process imports torch, so that the two interpreters' imports (each
+several seconds with CUDA's torch) run side by side instead of one after the other. The process
+is given an `EngineSpec`, the flags and the checkpoint, and resolves them itself with the same
+`EngineArgs.create_config` the API process calls for its own copy of the config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from metrale.engine_args import EngineArgs
+
+if TYPE_CHECKING:
+    from metrale.engine_config import EngineConfig
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """An engine core to be: the flags as typed, the checkpoint they were resolved to, and which
+    data-parallel core it is."""
+
+    engine_args: EngineArgs
+    model_dir: Path
+    data_parallel_rank: int = 0
+
+    def resolve(self) -> EngineConfig:
+        """The config, after the checks the API process makes before it waits on the engine
+        (the flags resolved, the checkpoint's headers read), made the same way: what fails
+        here, the API process reports itself."""
+        from metrale.runner.model_loader import preflight_model
+
+        config = self.engine_args.create_config(self.model_dir)
+        preflight_model(self.model_dir, config.load_format)
+        return config.for_core(self.data_parallel_rank) if config.data_parallel_size > 1 else config
+
+
+def run_engine_process(
+    engine: EngineConfig | EngineSpec, input_addr: str, output_addr: str
+) -> None:
+    """The engine process's target: pickled by name, so its module must import no torch."""
+    from metrale.engine.core_loop import run_engine_core
+
+    run_engine_core(engine, input_addr, output_addr)
