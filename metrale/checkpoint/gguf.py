@@ -24,15 +24,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-from tqdm import tqdm
-
 from metrale import envs
 from metrale.checkpoint import CheckpointError
 from metrale.config import ModelConfig
 from metrale.distributed.sharding import TensorSlice
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
 SUFFIX = ".gguf"
@@ -261,8 +259,10 @@ def iter_tensors(
     With `slice_of` (tensor parallelism), each tensor's part this rank holds, read alone from
     the mapped file where the part falls on the type's blocks (rows always do; a split of the
     columns must be a whole number of blocks), else dequantized whole and then sliced."""
+    import numpy as np
     import torch
     from gguf.quants import dequantize
+    from tqdm import tqdm
 
     permuted = config.model_type in PERMUTED
     bar = tqdm(total=len(tensors), desc="Loading GGUF", unit="tensor", disable=not progress)

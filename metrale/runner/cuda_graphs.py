@@ -111,8 +111,9 @@ class DecodeGraphs:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            for _ in range(2):  # compile kernels and settle allocations outside the capture
-                forward()
+            # Once, outside the capture: kernels compile or load, cuBLAS and the allocator
+            # settle, whatever is lazy happens.
+            forward()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):

@@ -81,7 +81,7 @@ def test_flags_the_engine_cannot_resolve_end_its_start_in_one_line(qwen3_dir: Pa
 
     with pytest.raises(EngineDeadError, match=r"ValueError: max_seq_len=1000000000 exceeds"):
         asyncio.run(run())
-    assert "Traceback" not in capfd.readouterr().err
+    assert "max_seq_len" not in capfd.readouterr().err  # the engine process logged nothing of it
 
 
 def test_an_engine_that_fails_to_start_ends_met_serve_with_its_reason(qwen3_dir: Path):
