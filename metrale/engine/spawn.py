@@ -9,6 +9,10 @@ is given an `EngineSpec`, the flags and the checkpoint, and resolves them itself
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -42,7 +46,22 @@ class EngineSpec:
 def run_engine_process(
     engine: EngineConfig | EngineSpec, input_addr: str, output_addr: str
 ) -> None:
-    """The engine process's target: pickled by name, so its module must import no torch."""
+    """The engine process's target: pickled by name, so its module must import no torch.
+
+    Once the engine has stopped (its ranks, sockets and logs closed) and the exit handlers have
+    run (multiprocessing's finalizers, logging's flush), the process ends without the rest of
+    the interpreter's teardown: that only frees what the OS frees anyway, and in it nanobind
+    (Triton's bindings, which torch.compile and the GPU kernels load) prints a "leaked
+    instances" report on every Ctrl-C."""
     from metrale.engine.core_loop import run_engine_core
 
-    run_engine_core(engine, input_addr, output_addr)
+    code = 1  # run_engine_core logged the failure
+    try:
+        run_engine_core(engine, input_addr, output_addr)
+        code = 0
+    finally:
+        atexit._run_exitfuncs()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code)

@@ -1,8 +1,10 @@
-"""How `met serve` starts its engine: first, from the flags, before the API process imports torch."""
+"""How `met serve` starts its engine: first, from its flags, before it imports torch."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -113,3 +115,29 @@ def test_an_engine_that_fails_to_start_ends_met_serve_with_its_reason(qwen3_dir:
 def test_the_allocator_is_chosen_for_the_device_torch_would_pick(device: str):
     runs_on_cpu = not torch.cuda.is_available() if device == "auto" else device == "cpu"
     assert engine_runs_on_cpu(device) == runs_on_cpu
+
+
+def test_the_engine_process_ends_without_a_teardown_report(
+    qwen3_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """Ctrl-C ends the server and its engine process quietly: no "leaked instances" report of
+    nanobind (Triton's bindings, loaded by torch.compile's CPU decode steps) from the
+    interpreter's teardown, no leaked semaphore."""
+    from tests.server.conftest import start_server, stop_server
+
+    monkeypatch.setenv("METRALE_COMPILE_CPU_DECODE", "1")  # as `met serve` runs by default
+    server = start_server(qwen3_dir, tmp_path / "server.log")
+    engine_pid = server.engine_pid()
+    code = stop_server(server, signal.SIGINT)
+    log = server.log()
+    assert code == 0, log
+    assert "leaked" not in log and "Traceback" not in log, log
+    assert not _alive(engine_pid)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

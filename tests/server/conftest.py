@@ -109,9 +109,9 @@ def kill_and_expect_a_red_health(server: RunningServer, pid: int, reason: str) -
     assert refused.value.status_code == 503
 
 
-def stop_server(server: RunningServer) -> int:
+def stop_server(server: RunningServer, sig: signal.Signals = signal.SIGTERM) -> int:
     if server.process.poll() is None:
-        server.process.send_signal(signal.SIGTERM)
+        server.process.send_signal(sig)
         try:
             server.process.wait(timeout=30)
         except subprocess.TimeoutExpired:
