@@ -135,3 +135,17 @@ def test_a_file_that_is_not_a_database_is_a_clear_error(qwen3_dir, tmp_path):
     )  # fmt: skip
     assert result.returncode != 0
     assert str(bogus) in result.stderr and "Traceback" not in result.stderr, result.stderr[-2000:]
+
+
+def test_a_subcommand_parses_alike_with_its_parser_alone():
+    """`met serve ...` builds only serve's parser (its start imports nothing of the other
+    subcommands): every subcommand is known by the names that choose it, and parses the same."""
+    from metrale import entrypoints
+
+    full = build_parser()
+    names = full._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+    assert set(names) == set(entrypoints.cli._MODULES)
+    argv = ["serve", "--port", "9", "--max-num-seqs", "3", "--tool-call-parser", "hermes"]
+    alone = build_parser("serve")
+    assert list(alone._subparsers._group_actions[0].choices) == ["serve"]  # type: ignore[union-attr]
+    assert vars(alone.parse_args(argv)) == vars(full.parse_args(argv))
