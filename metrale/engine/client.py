@@ -95,11 +95,9 @@ class EngineClient:
         from_engine = context.socket(zmq.PULL)
         from_engine.bind(output_addr)
         if isinstance(engine, EngineSpec):
-            config, args = None, engine.engine_args
-            tensor_parallel_size, on_cpu = (
-                args.tensor_parallel_size,
-                engine_runs_on_cpu(args.device),
-            )
+            config = None
+            tensor_parallel_size = engine.engine_args.tensor_parallel_size
+            on_cpu = engine_runs_on_cpu(engine.engine_args.device)
         else:
             config = engine
             tensor_parallel_size = engine.model.tensor_parallel_size
