@@ -1,0 +1,170 @@
+"""B4: what share of the offline engine's throughput `met serve` keeps, on the same requests.
+
+`--streams` requests of `--prompt-len` random token ids and `--output-len` output tokens each
+(greedy, EOS ignored), through a real `met serve` driven by that many concurrent streaming
+`/v1/completions` requests (`serve_telemetry.py`'s load generators and CPU placement), and
+through `LLM.generate` in a process of its own with the same engine flags, on the same GPU,
+in alternating rounds (the two engines' KV pools are sized by `--num-kv-blocks`, so both fit).
+Both are timed from the first request to the last token. Also the server's API and engine
+processes' CPU time per thousand output tokens. The model: random weights of Qwen3-0.6B's
+shape (the demo tokenizer's vocabulary, so every id decodes), where the API process's share
+of the work is the largest, or `--llama-8b`.
+
+    python bench/server_offline.py [--streams 256 --prompt-len 128 --output-len 256 --rounds 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import multiprocessing
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))
+from gpu_suite import LLAMA_8B  # noqa: E402
+from serve_telemetry import (  # noqa: E402
+    QWEN3_06B_BODY,
+    Placement,
+    dummy_checkpoint,
+    load,
+    start,
+    wait_healthy,
+)
+
+REPO = ROOT.parent
+
+
+def offline_worker(model: str, flags: dict, prompts: list[list[int]], output_len: int, pipe):
+    """The offline engine, built once; each message on `pipe` runs every prompt once and
+    answers (output tokens, seconds)."""
+    from metrale import LLM, SamplingParams
+
+    llm = LLM(model, **flags)
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    llm.generate(prompts[:16], SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)
+    while pipe.recv():
+        begin = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - begin
+        pipe.send((sum(len(o.outputs[0].token_ids) for o in outputs), seconds))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--streams", type=int, default=256)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--clients", type=int, default=8, help="load-generating processes")
+    parser.add_argument("--num-kv-blocks", type=int, default=8192, help="each engine's pool")
+    parser.add_argument("--llama-8b", action="store_true", help="Llama-3.1-8B's shape instead")
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ROOT / "results")))
+    args = parser.parse_args()
+
+    model = dummy_checkpoint(LLAMA_8B if args.llama_8b else QWEN3_06B_BODY)
+    rng = random.Random(0)
+    prompts = [
+        [rng.randrange(10, 4000) for _ in range(args.prompt_len)] for _ in range(args.streams)
+    ]
+    # The same engine flags on both sides (those `start` gives the server, too).
+    flags = {
+        "load_format": "dummy",
+        "dtype": "bfloat16",
+        "max_seq_len": 2048,
+        "enable_prefix_caching": False,
+        "max_num_seqs": args.streams,
+        "num_kv_blocks": args.num_kv_blocks,
+    }
+    serve_flags = ["--max-num-seqs", str(args.streams), "--num-kv-blocks", str(args.num_kv_blocks)]
+    logs = Path(tempfile.mkdtemp(prefix="bench-b4-logs-"))
+    placement = Placement(True, 1)
+    if placement.enabled:
+        os.sched_setaffinity(0, placement.clients(0))
+    process, url = start(REPO, model, True, serve_flags, logs / "server.log", placement, 0)
+    spawn = multiprocessing.get_context("spawn")
+    ours, theirs = spawn.Pipe()
+    offline = spawn.Process(
+        target=offline_worker, args=(str(model), flags, prompts, args.output_len, theirs)
+    )
+    offline.start()
+    pool = ProcessPoolExecutor(args.clients, mp_context=spawn, initializer=placement.pin_clients(0))
+    rounds = []
+    try:
+        wait_healthy(process, url, logs / "server.log")
+        placement.pin_server(process.pid, 0)
+        if placement.enabled:  # the offline engine on the server's CPUs
+            slot = placement.slots[0]
+            os.sched_setaffinity(offline.pid, slot.api | slot.engine)
+        load(pool, url, prompts[:16], 16, events=False)  # warm up
+        for i in range(args.rounds):
+            ours.send(True)
+            tokens, seconds = ours.recv()
+            server = load(pool, url, prompts, args.output_len, False, process.pid)
+            entry = {
+                "offline_tokens_per_s": tokens / seconds,
+                "server_tokens_per_s": server["tokens_per_s"],
+                "ratio": server["tokens_per_s"] / (tokens / seconds),
+                "server_cpu_ms_per_1k_tokens": server["cpu_ms_per_1k_tokens"],
+                "api_busy": server["api_busy"],
+            }
+            rounds.append(entry)
+            print(f"round {i}: {json.dumps(entry)}", flush=True)
+        ours.send(False)
+        forward = httpx.get(url + "/forward").json()
+    finally:
+        pool.shutdown(cancel_futures=True)
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        offline.join(60)
+        if offline.is_alive():
+            offline.kill()
+
+    import torch
+
+    sha = (
+        os.environ.get("GIT_SHA")
+        or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO
+        ).stdout.strip()
+    )
+    result = {
+        "benchmark": "server_offline (B4)",
+        "date": datetime.date.today().isoformat(),
+        "git_sha": sha,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "model": "Llama-3.1-8B shape" if args.llama_8b else "Qwen3-0.6B shape",
+        "workload": vars(args) | {"out": str(args.out), "placement": placement.describe()},
+        "forward": forward,
+        "rounds": rounds,
+        "median_ratio": statistics.median(r["ratio"] for r in rounds),
+        "median_server_tokens_per_s": statistics.median(r["server_tokens_per_s"] for r in rounds),
+        "median_offline_tokens_per_s": statistics.median(r["offline_tokens_per_s"] for r in rounds),
+        "median_api_cpu_ms_per_1k_tokens": statistics.median(
+            r["server_cpu_ms_per_1k_tokens"]["api"] for r in rounds
+        ),
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    out = args.out / f"server_offline-{result['date']}.json"
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({k: v for k, v in result.items() if k.startswith("median")}))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
