@@ -24,7 +24,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import tempfile
 import time
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ from pathlib import Path
 import msgspec
 import torch
 from hf_reference import left_padded
+from provenance import git_sha
 from workload_floor import Device, ModelCosts, StepTrace, describe, matmul_flops, report
 
 from metrale.engine.core import EngineCore
@@ -835,10 +835,7 @@ def main() -> None:
         ENGINE_FLAGS["max_cuda_graph_batch"] = args.max_cuda_graph_batch
     results: dict = {
         "date": datetime.date.today().isoformat(),
-        "git_sha": os.environ.get("GIT_SHA")
-        or subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
-        ).stdout.strip(),
+        "git_sha": git_sha(),
         "device": torch.cuda.get_device_name(),
         "versions": versions(),
         "scheduling": args.scheduler_config,

@@ -29,13 +29,13 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
 import torch
 import transformers
 from hf_reference import left_padded
+from provenance import git_sha
 
 from metrale import LLM, SamplingParams
 
@@ -192,9 +192,7 @@ def main() -> None:
     result = {
         "benchmark": "offline_cpu",
         "date": datetime.date.today().isoformat(),
-        "git_sha": subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
-        ).stdout.strip(),
+        "git_sha": git_sha(),
         "machine": {
             "cpu": platform.processor() or platform.machine(),
             "cores": os.cpu_count(),

@@ -33,7 +33,6 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -42,6 +41,7 @@ import httpx
 from llama_gguf import write_f32_gguf
 from peer_llamacpp import free_port, llamacpp_cmd, server
 from profile_cpu import checkpoint
+from provenance import git_sha
 
 from metrale.engine.allocator import tcmalloc_library
 
@@ -222,9 +222,7 @@ def main() -> None:
     result = {
         "benchmark": "peer_cpu",
         "date": datetime.date.today().isoformat(),
-        "git_sha": subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
-        ).stdout.strip(),
+        "git_sha": git_sha(),
         "machine": f"{os.cpu_count()} CPUs",
         "vllm_both_cores": args.vllm_both_cores,
         "workload": {

@@ -42,6 +42,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+from provenance import git_sha
 
 ROOT = Path(__file__).resolve().parent
 CHATS = [
@@ -243,9 +244,7 @@ def main() -> None:
         "benchmark": "peer_llamacpp",
         "date": datetime.date.today().isoformat(),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
-        "git_sha": subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
-        ).stdout.strip(),
+        "git_sha": git_sha(),
         "file": str(gguf),
         "workload": {"output_len": OUTPUT_LEN, "agreement_tokens": AGREEMENT_TOKENS},
         "agreement_with_llamacpp": {

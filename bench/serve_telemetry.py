@@ -49,6 +49,7 @@ ROOT = Path(__file__).resolve().parent
 REPO = ROOT.parent
 sys.path.insert(0, str(ROOT))
 from gpu_suite import QWEN3_06B  # noqa: E402
+from provenance import git_sha  # noqa: E402
 from serve_cpu import one_stream  # noqa: E402
 
 # Qwen3-0.6B's body with the demo tokenizer's vocabulary, so every sampled id decodes.
@@ -487,9 +488,7 @@ def main() -> None:
     result = {
         "benchmark": "serve_telemetry",
         "date": datetime.date.today().isoformat(),
-        "git_sha": subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO
-        ).stdout.strip(),
+        "git_sha": git_sha(),
         "workload": {
             "streams": args.streams,
             "prompt_len": args.prompt_len,

@@ -35,6 +35,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 from gpu_suite import LLAMA_8B  # noqa: E402
+from provenance import git_sha  # noqa: E402
 from serve_telemetry import (  # noqa: E402
     QWEN3_06B_BODY,
     Placement,
@@ -137,16 +138,10 @@ def main() -> None:
 
     import torch
 
-    sha = (
-        os.environ.get("GIT_SHA")
-        or subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO
-        ).stdout.strip()
-    )
     result = {
         "benchmark": "server_offline (B4)",
         "date": datetime.date.today().isoformat(),
-        "git_sha": sha,
+        "git_sha": git_sha(),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "model": "Llama-3.1-8B shape" if args.llama_8b else "Qwen3-0.6B shape",
         "workload": vars(args) | {"out": str(args.out), "placement": placement.describe()},

@@ -18,11 +18,11 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
 import torch
+from provenance import git_sha
 
 from metrale import LLM, SamplingParams
 
@@ -114,10 +114,7 @@ def main() -> None:
     tokenizer = llms[0].get_tokenizer()
     results = {
         "date": datetime.date.today().isoformat(),
-        "git_sha": os.environ.get("GIT_SHA")
-        or subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
-        ).stdout.strip(),
+        "git_sha": git_sha(),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "model": args.model,
         "dtype": args.dtype,

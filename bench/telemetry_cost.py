@@ -29,9 +29,10 @@ import gc
 import json
 import platform
 import statistics
-import subprocess
 import time
 from pathlib import Path
+
+from provenance import git_sha
 
 from metrale.engine.messages import (
     EngineOutput,
@@ -181,9 +182,7 @@ def main() -> None:
     result = {
         "benchmark": "telemetry_cost",
         "date": datetime.date.today().isoformat(),
-        "git_sha": subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
-        ).stdout.strip(),
+        "git_sha": git_sha(),
         "machine": {"cpu": platform.processor() or platform.machine()},
         "workload": {"streams": args.streams, "output_len": args.output_len, "rounds": args.rounds},
         "us_per_token_note": "each variant's API-side work per token, rounds in order",
