@@ -71,6 +71,7 @@ class EngineClient:
         self._dead_reason: str | None = None
         self.kv_cache: KVCacheStats | None = None
         self.forward: ForwardInfo | None = None  # what the engine said of its forward, at READY
+        self._ready = False
 
     @classmethod
     async def start(
@@ -139,6 +140,7 @@ class EngineClient:
             raise
         self.kv_cache = ready.kv_cache
         self.forward = ready.forward
+        self._ready = True
         # On a GPU the engine sized its pool after loading; validation here needs the size.
         self.config = dataclasses.replace(
             config, cache=dataclasses.replace(config.cache, num_blocks=ready.kv_cache.num_blocks)
@@ -194,6 +196,11 @@ class EngineClient:
                 return kind, payload
             self._check_alive()
 
+    async def _wait_exit(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self._worker.is_alive() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
     def _check_alive(self) -> None:
         if not self.is_alive:
             raise EngineDeadError(self._dead_reason)
@@ -202,14 +209,18 @@ class EngineClient:
         """Ask the engine to stop, then make sure it has (once: later calls do nothing)."""
         if self._to_engine.closed:
             return
+        process = isinstance(self._worker, multiprocessing.process.BaseProcess)
+        if process and not self._ready:
+            timeout_s = 0.0  # still starting: it reads no message until it is ready
         if self._worker.is_alive():
             self._to_engine.send_multipart(encode(MessageKind.SHUTDOWN, None))
-            deadline = time.monotonic() + timeout_s
-            while self._worker.is_alive() and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-            if isinstance(self._worker, multiprocessing.process.BaseProcess):
+            await self._wait_exit(timeout_s)
+            if process and self._worker.is_alive():
+                self._worker.terminate()  # it still runs its exit handlers (spawn.py)
+                await self._wait_exit(5.0)
                 if self._worker.is_alive():
-                    self._worker.terminate()
+                    self._worker.kill()
+            if process:
                 self._worker.join(1.0)
         self._dead_reason = self._dead_reason or "the engine core was shut down"
         self._to_engine.close(linger=0)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,10 +54,13 @@ def run_engine_process(
     the interpreter's teardown: that only frees what the OS frees anyway, and in it nanobind
     (Triton's bindings, which torch.compile and the GPU kernels load) prints a "leaked
     instances" report on every Ctrl-C."""
-    from metrale.engine.core_loop import run_engine_core
-
+    # Stopped while it starts (the API process's Ctrl-C, or a flag it refused), it still
+    # runs the exit handlers below: a terminate() mid-import must not leak a semaphore.
+    signal.signal(signal.SIGTERM, _stop)
     code = 1  # run_engine_core logged the failure
     try:
+        from metrale.engine.core_loop import run_engine_core
+
         run_engine_core(engine, input_addr, output_addr)
         code = 0
     finally:
@@ -65,3 +69,7 @@ def run_engine_process(
             with contextlib.suppress(Exception):
                 stream.flush()
         os._exit(code)
+
+
+def _stop(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -141,3 +143,35 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def test_ctrl_c_while_the_engine_starts_ends_met_serve_quietly(qwen3_dir: Path, tmp_path: Path):
+    """Ctrl-C before the server serves: exit code 130 and one line, no traceback; the engine
+    process, stopped mid-start, runs its exit handlers (no leaked semaphore) and is gone."""
+    log_path = tmp_path / "server.log"
+    with log_path.open("w") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "metrale", "serve", "--model-from-path", str(qwen3_dir),
+             "--port", "0", "--device", "cpu"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+        )  # fmt: skip
+    try:
+        engine_pid = None
+        for _ in range(3000):  # the launch's log line, well before the engine is ready
+            if m := re.search(r"engine core process (\d+) started", log_path.read_text()):
+                engine_pid = int(m[1])
+                break
+            time.sleep(0.01)
+        assert engine_pid is not None, log_path.read_text()
+        process.send_signal(signal.SIGINT)
+        code = process.wait(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    log = log_path.read_text()
+    assert code == 130, log
+    assert "interrupted while starting" in log and "engine ready" not in log, log
+    assert "Traceback" not in log and "leaked" not in log, log
+    assert not _alive(engine_pid)

@@ -213,6 +213,9 @@ def run(args: argparse.Namespace) -> int:
     except EngineDeadError as e:  # it failed to start (and logged why, where it knew more)
         print(f"met serve: error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C before it served (after, the loop's handler stops it)
+        logger.info("interrupted while starting")
+        return 130
 
 
 def _serve_node(engine_args: EngineArgs) -> int:
