@@ -145,9 +145,17 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def test_ctrl_c_while_the_engine_starts_ends_met_serve_quietly(qwen3_dir: Path, tmp_path: Path):
-    """Ctrl-C before the server serves: exit code 130 and one line, no traceback; the engine
-    process, stopped mid-start, runs its exit handlers (no leaked semaphore) and is gone."""
+@pytest.mark.parametrize(
+    ("sig", "code", "says"),
+    [(signal.SIGINT, 130, "interrupted while starting"), (signal.SIGTERM, 143, "terminated")],
+    ids=["ctrl-c", "sigterm"],
+)
+def test_a_stop_while_the_engine_starts_ends_met_serve_quietly(
+    qwen3_dir: Path, tmp_path: Path, sig: signal.Signals, code: int, says: str
+):
+    """Ctrl-C or SIGTERM before the server serves: its exit code and one line, no traceback;
+    the engine process, stopped mid-start, runs its exit handlers (no leaked semaphore) and is
+    gone."""
     log_path = tmp_path / "server.log"
     with log_path.open("w") as log:
         process = subprocess.Popen(
@@ -165,13 +173,13 @@ def test_ctrl_c_while_the_engine_starts_ends_met_serve_quietly(qwen3_dir: Path, 
                 break
             time.sleep(0.01)
         assert engine_pid is not None, log_path.read_text()
-        process.send_signal(signal.SIGINT)
-        code = process.wait(timeout=60)
+        process.send_signal(sig)
+        exit_code = process.wait(timeout=60)
     finally:
         if process.poll() is None:
             process.kill()
     log = log_path.read_text()
-    assert code == 130, log
-    assert "interrupted while starting" in log and "engine ready" not in log, log
+    assert exit_code == code, log
+    assert says in log and "engine ready" not in log, log
     assert "Traceback" not in log and "leaked" not in log, log
     assert not _alive(engine_pid)

@@ -216,6 +216,9 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:  # Ctrl-C before it served (after, the loop's handler stops it)
         logger.info("interrupted while starting")
         return 130
+    except asyncio.CancelledError:  # SIGTERM before it served (`_serve`)
+        logger.info("terminated while starting")
+        return 128 + signal.SIGTERM
 
 
 def _serve_node(engine_args: EngineArgs) -> int:
@@ -258,6 +261,12 @@ def _event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
 
 
 async def _serve(args: argparse.Namespace) -> int:
+    # SIGTERM before the server serves (an orchestrator stopping a pod that is still starting)
+    # cancels the startup as Ctrl-C does, so the engine process is stopped too; once serving,
+    # the server's own handler takes SIGTERM over.
+    main = asyncio.current_task()
+    assert main is not None
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, main.cancel)
     engine_args = EngineArgs.from_cli(args)
     security = SecurityConfig.from_cli(args)  # a bad flag stops us before the weights load
     store = _open_store(args)
