@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,8 +21,6 @@ from metrale.engine.speculation.config import SpeculativeConfig
 
 if TYPE_CHECKING:
     from metrale.engine_config import EngineConfig
-
-logger = logging.getLogger(__name__)
 
 _SIZE_UNITS = {
     "": 1,
