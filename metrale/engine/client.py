@@ -71,7 +71,6 @@ class EngineClient:
         self._dead_reason: str | None = None
         self.kv_cache: KVCacheStats | None = None
         self.forward: ForwardInfo | None = None  # what the engine said of its forward, at READY
-        self._ready = False
 
     @classmethod
     async def start(
@@ -140,7 +139,6 @@ class EngineClient:
             raise
         self.kv_cache = ready.kv_cache
         self.forward = ready.forward
-        self._ready = True
         # On a GPU the engine sized its pool after loading; validation here needs the size.
         self.config = dataclasses.replace(
             config, cache=dataclasses.replace(config.cache, num_blocks=ready.kv_cache.num_blocks)
@@ -210,8 +208,8 @@ class EngineClient:
         if self._to_engine.closed:
             return
         process = isinstance(self._worker, multiprocessing.process.BaseProcess)
-        if process and not self._ready:
-            timeout_s = 0.0  # still starting: it reads no message until it is ready
+        if process and self.forward is None:
+            timeout_s = 0.0  # not READY yet: it reads no message until it is
         if self._worker.is_alive():
             self._to_engine.send_multipart(encode(MessageKind.SHUTDOWN, None))
             await self._wait_exit(timeout_s)
