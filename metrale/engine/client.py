@@ -179,6 +179,23 @@ class EngineClient:
                 self.kv_cache = payload.kv_cache
                 return payload
 
+    def ready_outputs(self) -> list[Outputs]:
+        """The batches of outputs the engine has sent already, taken without waiting: a caller
+        that fell behind handles them together. A FAILED among them ends the list (the next
+        `get_outputs` raises with its reason)."""
+        batches = []
+        while not self._from_engine.closed and self._dead_reason is None:
+            try:  # with NOBLOCK, pyzmq's asyncio socket answers with a future already done
+                frames = self._from_engine.recv_multipart(zmq.NOBLOCK).result()
+            except zmq.Again:
+                break
+            message = self._read(frames)
+            if message is not None and message[0] is MessageKind.OUTPUTS:
+                assert isinstance(message[1], Outputs)
+                self.kv_cache = message[1].kv_cache
+                batches.append(message[1])
+        return batches
+
     async def _receive(self) -> tuple[MessageKind, object]:
         # Liveness is checked only once nothing is left to read: an engine that fails sends
         # FAILED and exits, and its reason must not be lost to a bare "exited".
@@ -186,13 +203,20 @@ class EngineClient:
             if self._from_engine.closed:  # shut down
                 raise EngineDeadError(self._dead_reason or "the engine core was shut down")
             if await self._from_engine.poll(LIVENESS_POLL_MS):
-                kind, payload = decode(await self._from_engine.recv_multipart())
-                if kind is MessageKind.FAILED:
-                    assert isinstance(payload, Failed)
-                    self._dead_reason = f"the engine core failed: {payload.message}"
-                    continue
-                return kind, payload
+                message = self._read(await self._from_engine.recv_multipart())
+                if message is not None:
+                    return message
+                continue
             self._check_alive()
+
+    def _read(self, frames: list) -> tuple[MessageKind, object] | None:
+        """A message from the engine; None for FAILED, whose reason is kept for the error."""
+        kind, payload = decode(frames)
+        if kind is MessageKind.FAILED:
+            assert isinstance(payload, Failed)
+            self._dead_reason = f"the engine core failed: {payload.message}"
+            return None
+        return kind, payload
 
     async def _wait_exit(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

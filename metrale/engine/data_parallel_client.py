@@ -42,6 +42,7 @@ class DataParallelClient:
         self._owner: dict[str, int] = {}  # request id -> its core
         self._queue: asyncio.Queue[tuple[int, Outputs] | EngineDeadError] = asyncio.Queue()
         self._readers: list[asyncio.Task[None]] = []
+        self._error: EngineDeadError | None = None  # a core's death, met by `ready_outputs`
 
     @classmethod
     async def start(cls, config: EngineConfig, *, in_process: bool = False) -> DataParallelClient:
@@ -107,10 +108,26 @@ class DataParallelClient:
             self.clients[core].abort_requests(ids)
 
     async def get_outputs(self) -> Outputs:
+        if self._error is not None:
+            raise self._error
         item = await self._queue.get()
         if isinstance(item, EngineDeadError):
             raise item
-        core, batch = item
+        return self._take(*item)
+
+    def ready_outputs(self) -> list[Outputs]:
+        """Every core's batches that have come in already, taken without waiting (a core's
+        death ends the list: the next `get_outputs` raises it)."""
+        batches = []
+        while self._error is None and not self._queue.empty():
+            item = self._queue.get_nowait()
+            if isinstance(item, EngineDeadError):
+                self._error = item
+            else:
+                batches.append(self._take(*item))
+        return batches
+
+    def _take(self, core: int, batch: Outputs) -> Outputs:
         self.kv_caches[core] = batch.kv_cache
         ended = [o.request_id for o in batch.outputs if o.finish_reason is not None]
         for request_id in [*ended, *(request_id for request_id, _ in batch.rejected)]:
@@ -125,7 +142,8 @@ class DataParallelClient:
         client = self.clients[core]
         try:
             while True:
-                self._queue.put_nowait((core, await client.get_outputs()))
+                for batch in [await client.get_outputs(), *client.ready_outputs()]:
+                    self._queue.put_nowait((core, batch))
         except EngineDeadError as e:
             self._queue.put_nowait(EngineDeadError(f"engine core {core}: {e}"))
 

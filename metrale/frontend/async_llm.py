@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 
 from metrale.engine.client import EngineClient, EngineDeadError
 from metrale.engine.data_parallel_client import DataParallelClient
-from metrale.engine.messages import EngineRequest
+from metrale.engine.messages import EngineRequest, Outputs
 from metrale.frontend.output_processor import CompletionDelta, OutputProcessor
 from metrale.telemetry.hub import Telemetry
 from metrale.tokenizer import Tokenizer
@@ -57,12 +57,16 @@ class AsyncLLM:
         return len(self._waiting)
 
     async def generate(
-        self, request: EngineRequest, api: str = "unknown"
+        self, request: EngineRequest, api: str = "unknown", coalesce: bool = True
     ) -> AsyncIterator[CompletionDelta]:
         """Stream the request's deltas until it finishes; abort it if the caller leaves early.
         `api` names the route that asked, for the telemetry. A caller that leaves after marking
         the last delta it took finished (a stop only the API sees) ended the request with that
-        finish reason: the telemetry counts it so, not as an abort."""
+        finish reason: the telemetry counts it so, not as an abort.
+
+        With `coalesce`, the deltas that queued while the caller was busy come as one: a server
+        that falls behind its engine then frames one event per stream per turn, not one per
+        engine step, and catches up instead of falling further behind."""
         request_id = request.request_id
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already running")
@@ -83,11 +87,12 @@ class AsyncLLM:
                 if isinstance(item, Exception):
                     finished = True
                     raise item
+                after = _merge_queued(item, queue) if coalesce else None
                 finished = item.finished
                 yield item
                 if finished:
                     break
-                item = await queue.get()
+                item = after if after is not None else await queue.get()
         finally:
             self._waiting.discard(request_id)
             self._queues.pop(request_id, None)
@@ -100,25 +105,12 @@ class AsyncLLM:
     async def _route_outputs(self) -> None:
         try:
             while True:
-                batch = await self.client.get_outputs()
+                # Every batch that has come in goes to its callers before they run again, so
+                # one that fell behind takes its backlog in one turn (`generate`'s coalescing).
+                batches = [await self.client.get_outputs(), *self.client.ready_outputs()]
                 now = time.monotonic()
-                for request_id, message in batch.rejected:
-                    self._deliver(request_id, RequestRejectedError(message))
-                deltas: list[CompletionDelta] = []
-                timings = {}  # the engine's milestones, with each request's first output
-                for output in batch.outputs:
-                    delta = self._processor.process(output)
-                    if delta is None:
-                        continue
-                    if delta.abort_in_engine:
-                        self.client.abort_requests([delta.request_id])
-                    if output.timing is not None:
-                        timings[delta.request_id] = output.timing
-                    deltas.append(delta)
-                    self._deliver(delta.request_id, delta)
-                # (The callers run once this loop yields: the telemetry sees every delta first.)
-                self.telemetry.deltas(deltas, timings, now)
-                self.telemetry.engine_outputs(batch, now)
+                for batch in batches:
+                    self._route(batch, now)
         except EngineDeadError as e:
             logger.error("%s; failing %d open requests", e, len(self._queues))
             for request_id in list(self._queues):
@@ -131,6 +123,25 @@ class AsyncLLM:
                 self._deliver(request_id, EngineDeadError("the output router failed"))
             raise
 
+    def _route(self, batch: Outputs, now: float) -> None:
+        for request_id, message in batch.rejected:
+            self._deliver(request_id, RequestRejectedError(message))
+        deltas: list[CompletionDelta] = []
+        timings = {}  # the engine's milestones, with each request's first output
+        for output in batch.outputs:
+            delta = self._processor.process(output)
+            if delta is None:
+                continue
+            if delta.abort_in_engine:
+                self.client.abort_requests([delta.request_id])
+            if output.timing is not None:
+                timings[delta.request_id] = output.timing
+            deltas.append(delta)
+            self._deliver(delta.request_id, delta)
+        # (The callers run once the router yields: the telemetry sees every delta first.)
+        self.telemetry.deltas(deltas, timings, now)
+        self.telemetry.engine_outputs(batch, now)
+
     def _deliver(self, request_id: str, item: CompletionDelta | Exception) -> None:
         queue = self._queues.get(request_id)
         if queue is not None:
@@ -142,3 +153,16 @@ class AsyncLLM:
             with contextlib.suppress(asyncio.CancelledError, EngineDeadError):
                 await self._output_task
         await self.client.shutdown()
+
+
+def _merge_queued(
+    delta: CompletionDelta, queue: asyncio.Queue[CompletionDelta | Exception]
+) -> Exception | None:
+    """Fold the deltas waiting in `queue` into `delta`, up to its last; an error met on the way
+    is returned, to be raised once `delta` has gone out."""
+    while not delta.finished and not queue.empty():
+        later = queue.get_nowait()
+        if isinstance(later, Exception):
+            return later
+        delta.extend(later)
+    return None

@@ -89,6 +89,12 @@ class ChatOutputParser:
         return count_outcomes(delivered, self._tools.num_text_outcomes)
 
     @property
+    def counts_per_delta(self) -> bool:
+        """Whether what it does depends on how the tokens are split into deltas (the prose
+        bound ends a choice at a delta's end): such a choice's deltas must not be merged."""
+        return self._max_prose is not None and self._tools is not None
+
+    @property
     def prose_overrun(self) -> bool:
         """The prose since the last call reached `max_inter_tool_prose`."""
         return self._max_prose is not None and self.prose_tokens >= self._max_prose
@@ -111,7 +117,7 @@ class ChatOutputParser:
             delta = self._route(text, ChatDelta())
         else:
             delta = self._split(self._reasoning.feed(text))
-        if self._max_prose is not None and self._tools is not None:
+        if self.counts_per_delta:
             if any(call.name is not None for call in delta.tool_calls):
                 self.prose_tokens = 0
             elif self.num_tool_calls and not delta.reasoning and not self._tools.in_block:

@@ -34,6 +34,19 @@ class CompletionDelta:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def extend(self, later: CompletionDelta) -> None:
+        """Take in the request's next delta, as if the two had come as one (a caller that fell
+        behind gets what queued for it in one piece): tokens, text and logprobs appended, how
+        it finished and its cache count from `later`."""
+        self.token_ids = self.token_ids + later.token_ids  # not in place: the engine's list
+        self.text += later.text
+        if later.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + later.logprobs
+        self.finish_reason, self.stop_reason = later.finish_reason, later.stop_reason
+        self.watchdog = later.watchdog
+        self.num_cached_tokens = later.num_cached_tokens
+        self.abort_in_engine = self.abort_in_engine or later.abort_in_engine
+
 
 @dataclass
 class _RequestState:

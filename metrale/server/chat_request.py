@@ -240,6 +240,8 @@ def plan_generation(
     parsers = [
         output_parser(state, body, prompt_text, request_id, max_tool_calls) for _ in range(body.n)
     ]
+    if any(parser.counts_per_delta for parser in parsers):
+        prompt = dataclasses.replace(prompt, coalesce=False)
     return prompt, parsers
 
 

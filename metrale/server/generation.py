@@ -84,6 +84,9 @@ class PreparedPrompt:
     request_id: str
     prompt_token_ids: list[int]
     children: list[EngineRequest]
+    # False: every engine step's delta reaches the consumer on its own, even when it falls
+    # behind (one that counts tokens per delta: `ChatOutputParser.counts_per_delta`).
+    coalesce: bool = True
 
 
 # --request-timeout is the API's to answer (an error in the API's shape); the engine enforces it
@@ -218,8 +221,12 @@ async def _merged_deltas(
 ) -> AsyncIterator[tuple[int, CompletionDelta]]:
     record = access_log.current_record()
     api = record.api if record is not None else "unknown"
+    streams = [
+        state.llm.generate(child, api, coalesce=prompt.coalesce)
+        for prompt in prompts
+        for child in prompt.children
+    ]
     children = [child for prompt in prompts for child in prompt.children]
-    streams = [state.llm.generate(child, api) for child in children]
     if record is not None:
         record.add_prompt(sum(len(child.prompt_token_ids) for child in children))
     generated = 0

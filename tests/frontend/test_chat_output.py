@@ -171,3 +171,13 @@ def test_prose_before_the_first_call_is_not_bounded():
     content, names, last = _take_tokens(parser, "word " * 50 + TWO_CALLS["hermes"])
     assert names == ["get_weather", "get_time"] and not last.finished
     assert content.count("word") == 50
+
+
+def test_only_a_bounded_tool_turn_needs_its_deltas_as_the_engine_made_them():
+    """The prose bound ends a choice at a delta's end, so its stream must not merge deltas
+    (`AsyncLLM.generate`'s coalescing); everything else parses the text however it is split."""
+    hermes = make_tool_parser("hermes", tools=TOOLS)
+    assert ChatOutputParser(None, hermes, max_inter_tool_prose=5).counts_per_delta
+    assert not ChatOutputParser(None, hermes).counts_per_delta
+    assert not ChatOutputParser(None, hermes, max_inter_tool_prose=0).counts_per_delta
+    assert not ChatOutputParser(None, None, max_inter_tool_prose=5).counts_per_delta

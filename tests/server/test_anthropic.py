@@ -50,7 +50,7 @@ class ScriptedEngine(ScriptedLLM):
         self.num_cached_tokens, self.error = num_cached_tokens, error
         self.requests = []
 
-    async def generate(self, request, api="unknown"):
+    async def generate(self, request, api="unknown", coalesce=True):
         self.requests.append(request)
         async for delta in super().generate(request):
             delta.num_cached_tokens = self.num_cached_tokens

@@ -82,7 +82,7 @@ class InlineLLM:
         self.requests = []
         self.token_ids: dict[str, list[int]] = {}
 
-    async def generate(self, request, api="unknown"):
+    async def generate(self, request, api="unknown", coalesce=True):
         self.requests.append(request)
         self.token_ids[request.request_id] = []
         outputs = OutputProcessor(self.tokenizer)

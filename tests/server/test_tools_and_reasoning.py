@@ -49,7 +49,7 @@ class ScriptedLLM:
         self.text, self.piece_len = text, piece_len
         self.telemetry = Telemetry(None)
 
-    async def generate(self, request, api="unknown"):
+    async def generate(self, request, api="unknown", coalesce=True):
         pieces = [
             self.text[i : i + self.piece_len] for i in range(0, len(self.text), self.piece_len)
         ]
@@ -199,9 +199,11 @@ class RecordingLLM(ScriptedLLM):
     def __init__(self, text: str, piece_len: int) -> None:
         super().__init__(text, piece_len)
         self.requests = []
+        self.coalesced = []  # whether each request's deltas may be merged
 
-    async def generate(self, request, api="unknown"):
+    async def generate(self, request, api="unknown", coalesce=True):
         self.requests.append(request)
+        self.coalesced.append(coalesce)
         async for delta in super().generate(request):
             yield delta
 
@@ -231,6 +233,22 @@ def test_reasoning_effort_and_server_cap_become_a_thinking_budget(qwen3_dir):
     tokenizer = Tokenizer.from_dir(qwen3_dir)
     assert budgets[0].start_token_id == tokenizer.token_to_id("<think>")
     assert budgets[0].end_token_id == tokenizer.token_to_id("</think>")
+
+
+def test_a_tool_turn_with_a_prose_bound_takes_its_deltas_unmerged(qwen3_dir):
+    """The prose bound ends a choice at a delta's end, so a stream that falls behind must not
+    merge its deltas there; every other chat may."""
+    llm, http = recording_client(qwen3_dir, tool_call_parser="hermes", max_inter_tool_prose=64)
+    body = {"model": "m", "messages": USER, "max_tokens": 5}
+    assert http.post("/v1/chat/completions", json=body).is_success
+    assert http.post("/v1/chat/completions", json={**body, "tools": [WEATHER_TOOL]}).is_success
+    unbounded = {**body, "tools": [WEATHER_TOOL], "max_inter_tool_prose": 0}
+    assert http.post("/v1/chat/completions", json=unbounded).is_success
+    function = WEATHER_TOOL["function"]
+    tool = {"name": function["name"], "input_schema": function["parameters"]}
+    anthropic = {"model": "m", "max_tokens": 5, "messages": USER, "tools": [tool]}
+    assert http.post("/v1/messages", json=anthropic).is_success
+    assert llm.coalesced == [True, False, True, False]
 
 
 def test_disable_thinking_renders_every_prompt_without_it(qwen3_dir):
