@@ -174,12 +174,12 @@ async def _complete(state: ServerState, reply: _Reply) -> None:
     report_output(state, [reply.parser])
 
 
-def _event(payload: dict[str, Any]) -> str:
+def _event(payload: dict[str, Any]) -> bytes:
     """An SSE frame named, as Anthropic's are, by its payload's type."""
-    return f"event: {payload['type']}\n{sse.event(payload)}"
+    return sse.event(payload, payload["type"])
 
 
-async def _stream(state: ServerState, reply: _Reply) -> AsyncIterator[str]:
+async def _stream(state: ServerState, reply: _Reply) -> AsyncIterator[bytes]:
     start = {**reply.message(), "content": [], "stop_reason": None, "stop_sequence": None}
     yield _event({"type": "message_start", "message": start})
     yield _event({"type": "ping"})

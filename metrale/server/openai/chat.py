@@ -199,10 +199,10 @@ async def _complete(completion: _Completion, admission: Admission) -> dict[str, 
 
 async def _stream(
     completion: _Completion, include_usage: bool, admission: Admission
-) -> AsyncIterator[str]:
+) -> AsyncIterator[bytes]:
     state, prompt, body = completion.state, completion.prompt, completion.request
 
-    def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
+    def chunk(choices: list[dict[str, Any]], **extra: Any) -> bytes:
         payload: dict[str, Any] = {
             "id": prompt.request_id,
             "object": "chat.completion.chunk",

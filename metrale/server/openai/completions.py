@@ -150,13 +150,13 @@ async def _stream(
     model: str,
     include_usage: bool,
     admission: Admission,
-) -> AsyncIterator[str]:
+) -> AsyncIterator[bytes]:
     created = int(time.time())
     usage = Usage(prompt_tokens=sum(len(p.prompt_token_ids) for p in prompts) * body.n)
     offsets = [0] * (len(prompts) * body.n)
     cached: dict[int, int] = {}
 
-    def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
+    def chunk(choices: list[dict[str, Any]], **extra: Any) -> bytes:
         payload: dict[str, Any] = {
             "id": request_id,
             "object": "text_completion",

@@ -210,4 +210,4 @@ def _json(body: dict[str, Any]) -> bytes:
 def _stream_error(path: str, body: dict[str, Any]) -> bytes:
     if is_anthropic_path(path):
         return b"event: error\ndata: " + _json(body) + b"\n\n"
-    return b"data: " + _json(body) + b"\n\n" + sse.DONE.encode()
+    return b"data: " + _json(body) + b"\n\n" + sse.DONE

@@ -175,16 +175,16 @@ def _finish(state: ServerState, run: ResponseRun, input_items: list[dict[str, An
     return body
 
 
-def _event_stream(events: AsyncIterator[str]) -> StreamingResponse:
+def _event_stream(events: AsyncIterator[bytes]) -> StreamingResponse:
     return StreamingResponse(events, media_type="text/event-stream")
 
 
-def _frame(event: Event) -> str:
+def _frame(event: Event) -> bytes:
     """An SSE frame named, as OpenAI's are, by its event's type."""
-    return f"event: {event['type']}\n{sse.event(event)}"
+    return sse.event(event, event["type"])
 
 
-async def _failed_stream(run: ResponseRun) -> AsyncIterator[str]:
+async def _failed_stream(run: ResponseRun) -> AsyncIterator[bytes]:
     """A response that fails before it starts, as a stream: created, then failed."""
     yield _frame(run.numbered({"type": "response.created", "response": run.body_dict()}))
     yield _frame(run.numbered({"type": "response.failed", "response": run.body_dict()}))
@@ -192,7 +192,7 @@ async def _failed_stream(run: ResponseRun) -> AsyncIterator[str]:
 
 async def _stream(
     state: ServerState, run: ResponseRun, input_items: list[dict[str, Any]]
-) -> AsyncIterator[str]:
+) -> AsyncIterator[bytes]:
     yield _frame(run.numbered({"type": "response.created", "response": run.body_dict()}))
     yield _frame(run.numbered({"type": "response.in_progress", "response": run.body_dict()}))
     events = _events(state, run, input_items)
