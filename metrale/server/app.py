@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from metrale.server import observe, ops
@@ -13,6 +12,7 @@ from metrale.server.access_log import AccessLogMiddleware
 from metrale.server.anthropic import messages as anthropic_messages
 from metrale.server.anthropic.errors import shaped_response
 from metrale.server.errors import APIError, http_status_error
+from metrale.server.json_body import JSONResponse
 from metrale.server.openai import chat, completions, conversations, models, stored_completions
 from metrale.server.openai.responses import routes as responses
 from metrale.server.openapi import describe_request_bodies
@@ -21,7 +21,13 @@ from metrale.server.state import ServerState
 
 
 def build_app(state: ServerState) -> FastAPI:
-    app = FastAPI(title="Metrale", version="0.1.0", docs_url=None, redoc_url=None)
+    app = FastAPI(
+        title="Metrale",
+        version="0.1.0",
+        docs_url=None,
+        redoc_url=None,
+        default_response_class=JSONResponse,
+    )
     app.state.server = state
     routers = (
         chat.router,

@@ -6,11 +6,11 @@ from typing import Any
 
 import msgspec
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
 
 from metrale.engine.messages import KVCacheStats
 from metrale.engine.swap_space import SwapStats
 from metrale.hardware import describe
+from metrale.server.json_body import JSONResponse
 from metrale.server.state import ServerState
 
 router = APIRouter()

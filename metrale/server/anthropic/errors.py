@@ -11,9 +11,9 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse
 
 from metrale.server.errors import APIError
+from metrale.server.json_body import JSONResponse
 
 ROUTE_PREFIX = "/v1/messages"
 # Where the error a request was answered with is left for the access log (in the scope state).

@@ -28,7 +28,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 
 from metrale.frontend.chat_output import ChatOutputParser
 from metrale.frontend.output_processor import CompletionDelta
@@ -47,6 +47,7 @@ from metrale.server.generation import (
     stream_deltas,
     until_disconnected,
 )
+from metrale.server.json_body import JSONResponse
 from metrale.server.security.guard import Admission
 from metrale.server.state import ServerState
 

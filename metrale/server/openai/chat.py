@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 
 from metrale.frontend.chat_output import ChatDelta, ChatOutputParser, ToolCallDelta
 from metrale.frontend.output_processor import CompletionDelta
@@ -26,6 +26,7 @@ from metrale.server.generation import (
     stream_deltas,
     until_disconnected,
 )
+from metrale.server.json_body import JSONResponse
 from metrale.server.openai.logprobs import chat_logprobs
 from metrale.server.openai.stored_completions import store_completion
 from metrale.server.protocol import ChatCompletionRequest

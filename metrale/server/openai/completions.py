@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 
 from metrale.server import sse
 from metrale.server.errors import APIError, parse_body
@@ -23,6 +23,7 @@ from metrale.server.generation import (
     stream_deltas,
     until_disconnected,
 )
+from metrale.server.json_body import JSONResponse
 from metrale.server.openai.logprobs import completion_logprobs
 from metrale.server.protocol import CompletionRequest
 from metrale.server.security.guard import Admission

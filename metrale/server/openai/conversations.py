@@ -13,10 +13,10 @@ import uuid
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Request
-from fastapi.responses import JSONResponse
 from pydantic import Field
 
 from metrale.server.errors import parse_body
+from metrale.server.json_body import JSONResponse
 from metrale.server.openai.pages import item_page, page_body
 from metrale.server.openai.responses import records
 from metrale.server.openai.responses.protocol import MAX_METADATA_KEYS, InputItem

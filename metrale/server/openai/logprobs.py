@@ -7,6 +7,14 @@ from typing import Any
 from metrale.outputs import PositionLogprobs
 from metrale.tokenizer import Tokenizer
 
+# The least logprob reported. -inf (a token ruled out) and NaN (a broken forward) are not JSON
+# numbers, and OpenAI's clients expect one: they are reported as this (vLLM's floor too).
+LOGPROB_FLOOR = -9999.0
+
+
+def _reported(logprob: float) -> float:
+    return logprob if logprob >= LOGPROB_FLOOR else LOGPROB_FLOOR  # NaN compares False
+
 
 def _token_text(tokenizer: Tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id], skip_special_tokens=False)
@@ -20,7 +28,7 @@ def _top(position: PositionLogprobs, num_top: int) -> list[tuple[int, float]]:
         for t, lp in position.items()
         if lp.rank is not None and lp.rank <= num_top
     )
-    return [(t, lp) for _, t, lp in ranked]
+    return [(t, _reported(lp)) for _, t, lp in ranked]
 
 
 def chat_logprobs(
@@ -32,7 +40,7 @@ def chat_logprobs(
         content.append(
             {
                 "token": text,
-                "logprob": position[token_id].logprob,
+                "logprob": _reported(position[token_id].logprob),
                 "bytes": list(text.encode()),
                 "top_logprobs": [
                     {
@@ -58,7 +66,7 @@ def completion_logprobs(
     for token_id, position in zip(token_ids, positions, strict=True):
         text = _token_text(tokenizer, token_id)
         tokens.append(text)
-        token_logprobs.append(position[token_id].logprob)
+        token_logprobs.append(_reported(position[token_id].logprob))
         top_logprobs.append({_token_text(tokenizer, t): lp for t, lp in _top(position, num_top)})
         offsets.append(text_offset)
         text_offset += len(text)

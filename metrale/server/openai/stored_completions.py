@@ -9,10 +9,10 @@ import logging
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Request
-from fastapi.responses import JSONResponse
 from pydantic import Field
 
 from metrale.server.errors import APIError, parse_body
+from metrale.server.json_body import JSONResponse
 from metrale.server.openai.pages import item_page, page_body
 from metrale.server.protocol import ChatMessage, _Body
 from metrale.server.state import ServerState

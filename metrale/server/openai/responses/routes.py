@@ -26,12 +26,13 @@ from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 
 from metrale.server import compaction, sse
 from metrale.server.chat_request import build_prompt, plan_generation, report_output
 from metrale.server.errors import APIError, parse_body
 from metrale.server.generation import admit, engine_error, stream_deltas, until_disconnected
+from metrale.server.json_body import JSONResponse
 from metrale.server.openai.pages import item_page
 from metrale.server.openai.responses import records
 from metrale.server.openai.responses.protocol import ResponsesRequest
