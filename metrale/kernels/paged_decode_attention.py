@@ -123,6 +123,7 @@ def _paged_decode_split_kernel(
         DOT_PRECISION,
         HAS_WINDOW,
         MASKED=True,
+        K_ROWS=False,
     )
 
     # Partials: [num_seqs, num_heads, num_splits] and [num_seqs, num_heads, num_splits, HEAD_DIM].

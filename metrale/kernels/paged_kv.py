@@ -51,6 +51,7 @@ def attend_keys(
     DOT_PRECISION: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     MASKED: tl.constexpr,
+    K_ROWS: tl.constexpr,
 ):
     """Fold the keys at positions [start, stop) of one kv head into the running max `m_i`, sum
     `l_i` and output `acc` of the query rows `q` [ROWS, HEAD_DIM] at positions `query_pos`
@@ -60,7 +61,8 @@ def attend_keys(
     Keys are found through the sequence's block table, so a tile may span blocks. With MASKED,
     a row sees the keys before `hi` up to its own position (and inside the sliding window);
     without, every key of every tile exists and every row sees it (tiles wholly before the
-    causal diagonal), and no mask is built.
+    causal diagonal), and no mask is built. K_ROWS loads a key tile as it lies in the cache
+    (key by key) and transposes it for the product; else it is loaded transposed.
     """
     offs_d = tl.arange(0, HEAD_DIM)
     for tile in range(start, stop, BLOCK_N):
@@ -72,13 +74,21 @@ def attend_keys(
             + (offs_n % BLOCK_SIZE) * stride_cache_token
             + kv_head * stride_cache_head
         )  # [BLOCK_N]
-        k_ptrs = k_cache_ptr + kv_off[None, :] + offs_d[:, None]  # [HEAD_DIM, BLOCK_N]
         v_ptrs = v_cache_ptr + kv_off[:, None] + offs_d[None, :]  # [BLOCK_N, HEAD_DIM]
-        if MASKED:  # noqa: SIM108  (a constexpr branch, as Triton compiles it)
-            k = tl.load(k_ptrs, mask=n_mask[None, :], other=0.0)
+        if K_ROWS:
+            k_rows = k_cache_ptr + kv_off[:, None] + offs_d[None, :]  # [BLOCK_N, HEAD_DIM]
+            if MASKED:  # noqa: SIM108  (a constexpr branch, as Triton compiles it)
+                k = tl.load(k_rows, mask=n_mask[:, None], other=0.0)
+            else:
+                k = tl.load(k_rows)
+            k = tl.trans(k.to(q.dtype))
         else:
-            k = tl.load(k_ptrs)
-        k = k.to(q.dtype)
+            k_ptrs = k_cache_ptr + kv_off[None, :] + offs_d[:, None]  # [HEAD_DIM, BLOCK_N]
+            if MASKED:  # noqa: SIM108
+                k = tl.load(k_ptrs, mask=n_mask[None, :], other=0.0)
+            else:
+                k = tl.load(k_ptrs)
+            k = k.to(q.dtype)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [ROWS, BLOCK_N]
         if MASKED:
             visible = (offs_n[None, :] <= query_pos[:, None]) & n_mask[None, :]

@@ -6,8 +6,11 @@ call). Query i of the chunk sits at position seq_lens[b] - q_len + i, so one ker
 prefill from scratch, chunked prefill and prefix-cache hits: a chunk only differs by how many
 cached positions come before it.
 
-Flash-attention style: one program per (query tile, head, sequence) streams key tiles through an
-online softmax with fp32 accumulation. Key tiles are gathered position by position through the
+Flash-attention style: one program per (query tile, kv head, sequence) streams key tiles through
+an online softmax with fp32 accumulation. A tile's rows are its tokens times the query heads of
+the kv head's group (heads innermost, the group padded to a power of two), so a GQA group reads
+each key tile once, and a tile of 128 rows spans 128 / group tokens: fewer straddle the causal
+diagonal than in a tile of one head. Key tiles are gathered position by position through the
 block table, so any block_size works and a key tile may span blocks. The grid is sized by the
 host's `max_query_len`; tiles past a sequence's chunk exit at once.
 """
@@ -48,55 +51,59 @@ def _paged_prefill_kernel(
     stride_cache_head,
     stride_bt_seq,
     GROUP_SIZE: tl.constexpr,
+    GROUP_P2: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
+    K_ROWS: tl.constexpr,
 ):
     q_tile = tl.program_id(0)
-    head = tl.program_id(1)
+    kv_head = tl.program_id(1)
     seq = tl.program_id(2)
 
     q_start = tl.load(query_start_loc_ptr + seq).to(tl.int32)
     q_len = tl.load(query_start_loc_ptr + seq + 1).to(tl.int32) - q_start
-    if q_tile * BLOCK_M >= q_len:
+    if q_tile * BLOCK_Q >= q_len:
         return
     seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
     context_len = seq_len - q_len  # cached positions before this chunk
-    kv_head = head // GROUP_SIZE
 
-    offs_m = q_tile * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] rows of the chunk
+    # Row r: token r // GROUP_P2 of the tile, query head r % GROUP_P2 of the kv head's group.
+    rows = tl.arange(0, BLOCK_Q * GROUP_P2)
+    offs_m = q_tile * BLOCK_Q + rows // GROUP_P2  # the rows' tokens in the chunk
+    heads = kv_head * GROUP_SIZE + rows % GROUP_P2
     offs_d = tl.arange(0, HEAD_DIM)
-    m_mask = offs_m < q_len
-    query_pos = context_len + offs_m  # [BLOCK_M]
+    m_mask = (offs_m < q_len) & (rows % GROUP_P2 < GROUP_SIZE)
+    query_pos = context_len + offs_m
     q = tl.load(
         q_ptr
         + (q_start + offs_m)[:, None] * stride_q_token
-        + head * stride_q_head
+        + heads[:, None] * stride_q_head
         + offs_d[None, :],
         mask=m_mask[:, None],
         other=0.0,
-    ).to(DOT_DTYPE)  # [BLOCK_M, HEAD_DIM]
+    ).to(DOT_DTYPE)  # [BLOCK_Q * GROUP_P2, HEAD_DIM]
 
     # Keys [lo, hi): up to the tile's last query (causal), from the first query's window.
-    hi = context_len + tl.minimum((q_tile + 1) * BLOCK_M, q_len)
+    hi = context_len + tl.minimum((q_tile + 1) * BLOCK_Q, q_len)
     lo = 0
     if HAS_WINDOW:
-        lo = tl.maximum(context_len + q_tile * BLOCK_M - sliding_window + 1, 0)
+        lo = tl.maximum(context_len + q_tile * BLOCK_Q - sliding_window + 1, 0)
 
     # Finite start for the running max: a row may see no key in a tile (causal or window), and
     # exp(-inf - m) must then be 0, never exp(-inf + inf) = nan.
-    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    m_i = tl.full([BLOCK_Q * GROUP_P2], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_Q * GROUP_P2], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_Q * GROUP_P2, HEAD_DIM], dtype=tl.float32)
     # Key tiles wholly before the tile's first query are seen by every row: no mask to build.
     # The tiles from there to `hi` straddle the causal diagonal (or a sliding window's edge).
     unmasked_hi = lo
     if not HAS_WINDOW:
-        unmasked_hi = (context_len + q_tile * BLOCK_M) // BLOCK_N * BLOCK_N
+        unmasked_hi = (context_len + q_tile * BLOCK_Q) // BLOCK_N * BLOCK_N
     bt_row = block_tables_ptr + seq * stride_bt_seq
     scale_log2 = scale * LOG2_E
     m_i, l_i, acc = attend_keys(
@@ -123,6 +130,7 @@ def _paged_prefill_kernel(
         DOT_PRECISION,
         HAS_WINDOW,
         MASKED=False,
+        K_ROWS=K_ROWS,
     )
     m_i, l_i, acc = attend_keys(
         q,
@@ -148,6 +156,7 @@ def _paged_prefill_kernel(
         DOT_PRECISION,
         HAS_WINDOW,
         MASKED=True,
+        K_ROWS=K_ROWS,
     )
 
     # Every real row sees at least its own key, so l_i > 0; padded rows are not stored.
@@ -155,7 +164,7 @@ def _paged_prefill_kernel(
     tl.store(
         out_ptr
         + (q_start + offs_m)[:, None] * stride_out_token
-        + head * stride_out_head
+        + heads[:, None] * stride_out_head
         + offs_d[None, :],
         o.to(out_ptr.dtype.element_ty),
         mask=m_mask[:, None],
@@ -175,8 +184,9 @@ def paged_prefill_attention(
     out: torch.Tensor | None = None,
     *,
     tiles: tuple[int, int] | None = None,
-    num_warps: int = 4,
-    num_stages: int = 3,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    k_rows: bool | None = None,
     dot_dtype_override: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's query chunk over its cached context.
@@ -202,15 +212,26 @@ def paged_prefill_attention(
     if num_seqs == 0 or max_query_len == 0:
         return out
 
-    # fp32 ("ieee") dots run on FMA units with both operands in registers: at 64x32 tiles and
-    # head_dim 128 they spill, at 32x16 they fit (ptxas, sm_90).
-    max_block_m, block_n = (32, 16) if q.dtype == torch.float32 else (64, 64)
+    group = num_heads // num_kv_heads
+    group_p2 = triton.next_power_of_2(group)
+    if q.dtype == torch.float32:
+        # fp32 ("ieee") dots run on FMA units with both operands in registers: at 64x32 tiles
+        # and head_dim 128 they spill, at 32x16 they fit (ptxas, sm_90).
+        rows, block_n, warps, stages, rows_of_keys = 32, 16, 4, 3, False
+    else:
+        # 128 rows in 8 warps, keys loaded as they lie (bench/prefill_attention.py's sweep on
+        # an H100: 1.11-1.28x the one-head 64 x 64 tiles). Narrower key tiles suited groups of
+        # two (Qwen3-0.6B's heads), wider ones groups of four (Llama-3.1-8B's).
+        rows, block_n, warps, stages, rows_of_keys = 128, 32 if group <= 2 else 64, 8, 2, True
     if tiles is not None:  # a launch override, for the sweep in bench/prefill_attention.py
-        max_block_m, block_n = tiles
+        rows, block_n = tiles
+    num_warps = num_warps or warps
+    num_stages = num_stages or stages
+    k_rows = rows_of_keys if k_rows is None else k_rows
     # One tile height whatever the chunk: a height per power of two below it would compile a
     # variant at the first short chunk of a run (tiles past a chunk's rows exit at once).
-    block_m = max_block_m
-    grid = (cdiv(max_query_len, block_m), num_heads, num_seqs)
+    block_q = max(rows // group_p2, 1)  # tokens a tile
+    grid = (cdiv(max_query_len, block_q), num_kv_heads, num_seqs)
     _paged_prefill_kernel[grid](
         q,
         k_cache,
@@ -229,14 +250,16 @@ def paged_prefill_attention(
         k_cache.stride(1),
         k_cache.stride(2),
         block_tables.stride(0),
-        GROUP_SIZE=num_heads // num_kv_heads,
+        GROUP_SIZE=group,
+        GROUP_P2=group_p2,
         HEAD_DIM=head_dim,
-        BLOCK_M=block_m,
+        BLOCK_Q=block_q,
         BLOCK_N=block_n,
         BLOCK_SIZE=block_size,
         HAS_WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_DTYPE=dot_dtype(q.dtype, k_cache.dtype, dot_dtype_override),
+        K_ROWS=k_rows,
         num_warps=num_warps,
         num_stages=num_stages,
     )

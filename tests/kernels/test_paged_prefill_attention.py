@@ -91,7 +91,7 @@ def run_and_compare(
 
 @pytest.mark.parametrize("cache_dtype", [None, *FP8])
 @pytest.mark.parametrize("sliding_window", [None, 6])
-@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (8, 2)])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (8, 2), (6, 2)])
 def test_matches_reference(
     device: torch.device,
     num_heads: int,
