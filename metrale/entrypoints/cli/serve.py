@@ -9,58 +9,25 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import os
 import signal
 import sys
-import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
-from typing import Any
-
-import msgspec
-import uvicorn
+from collections.abc import Callable
 
 from metrale.distributed.launch import Launch
 from metrale.engine.client import EngineClient, EngineDeadError
-from metrale.engine.messages import ForwardInfo
 from metrale.engine.spawn import EngineSpec
 from metrale.engine.watchdog import DEFAULT_MIN_REPEATS, MIN_SPAN
 from metrale.engine_args import EngineArgs
 from metrale.entrypoints.cli import Subcommand, register
+from metrale.entrypoints.cli.startup import Startup, phase
 from metrale.server.security.config import SecurityConfig
 from metrale.server.stores import RecordStore, StoreLimits, open_store
 from metrale.telemetry.bus import EventBus
-from metrale.telemetry.events import Phase
 from metrale.telemetry.logs import EventLogHandler
 
 logger = logging.getLogger("metrale.serve")
-
-PHASES = (
-    "resolve model",
-    "load config",
-    "select kernels",
-    "backend",
-    "communication backend",
-    "preflight and weights",
-    "tokenizer and template",
-    "scheduler",
-    "router",
-    "listening",
-)
-
-
-@contextlib.contextmanager
-def phase(name: str, bus: EventBus) -> Iterator[None]:
-    """Run a startup phase: logged with its duration, and told on the bus as it begins and ends."""
-    number = PHASES.index(name) + 1
-    bus.publish(Phase(index=number, total=len(PHASES), name=name))
-    start = time.perf_counter()
-    yield
-    duration = time.perf_counter() - start
-    logger.info("[%2d/%d] %-22s %7.2f s", number, len(PHASES), name, duration)
-    bus.publish(Phase(index=number, total=len(PHASES), name=name, duration_s=duration))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -341,189 +308,10 @@ async def _start_and_serve(
             EngineSpec(engine_args, model_dir), in_process=args.engine_in_thread
         )
     try:
-        return await _serve_engine(args, engine_args, security, bus, store, model_dir, early)
+        return await Startup(args, engine_args, security, bus, store, model_dir).run(early)
     finally:
         if early is not None:
             await early.shutdown()
-
-
-async def _serve_engine(
-    args: argparse.Namespace,
-    engine_args: EngineArgs,
-    security: SecurityConfig,
-    bus: EventBus,
-    store: RecordStore,
-    model_dir: Path,
-    early: EngineClient | None,
-) -> int:
-    from metrale import demo
-    from metrale.engine.data_parallel_client import DataParallelClient
-    from metrale.engine.stats import communication_backend, rank_devices
-    from metrale.frontend.async_llm import AsyncLLM
-    from metrale.frontend.parser_selection import behavior_sources, choose_behavior
-    from metrale.models import model_class_for
-    from metrale.recipes import Behavior, Checkpoint, repo_id_of
-    from metrale.runner.model_loader import preflight_model
-    from metrale.server.app import build_app
-    from metrale.server.security.guard import Guard
-    from metrale.server.state import ServerSettings, ServerState
-    from metrale.telemetry.hub import Telemetry
-    from metrale.telemetry.metrics import Metrics
-    from metrale.tokenizer import Tokenizer
-
-    with phase("load config", bus):
-        config = engine_args.create_config(model_dir)
-        model_class_for(config.model.architecture)  # one we cannot run is named here
-        # Read and check the flags, MODEL.toml and recipes now, before waiting on the engine.
-        sources = behavior_sources(
-            Behavior(
-                args.tool_call_parser,
-                args.reasoning_parser,
-                args.max_thinking_budget,
-                enable_loop_watchdog=None
-                if args.content_loop_watchdog is None
-                else args.content_loop_watchdog == "on",
-                max_inter_tool_prose=args.max_inter_tool_prose,
-            ),
-            model_dir,
-            Checkpoint(
-                demo.repo_id() if config.is_demo else repo_id_of(config.model_name, model_dir),
-                config.model.architecture,
-                config.model.model_type,
-            ),
-        )
-    with phase("select kernels", bus):
-        if config.attention_backend == "triton":
-            graphs = config.max_cuda_graph_batch
-            logger.info(
-                "attention backend: triton (paged kernels); %s",
-                f"CUDA graphs up to batch {graphs}" if graphs else "eager, no CUDA graphs",
-            )
-        else:
-            logger.info("attention backend: torch (scaled_dot_product_attention over paged KV)")
-    with phase("backend", bus):
-        logger.info("device %s, dtype %s", config.device, str(config.dtype).removeprefix("torch."))
-    with phase("communication backend", bus):
-        if config.data_parallel_size > 1:
-            logger.info(
-                "data parallelism: %d engine cores, requests routed by prefix affinity, then load",
-                config.data_parallel_size,
-            )
-        if (size := config.model.tensor_parallel_size) == 1:
-            logger.info("single rank: no tensor parallelism")
-        else:
-            logger.info(
-                "tensor parallelism: world size %d, %s, devices %s (rank 0: the engine process)",
-                size,
-                communication_backend(config.device, size),
-                ", ".join(rank_devices(config)),
-            )
-    with phase("preflight and weights", bus):
-        preflight_model(model_dir, config.load_format)
-        if early is not None:
-            await early.ready(config)
-            client = early
-        else:
-            client = await DataParallelClient.start(config, in_process=args.engine_in_thread)
-        config = client.config  # with the KV pool size the engine settled on
-    try:
-        with phase("tokenizer and template", bus):
-            tokenizer = Tokenizer.from_dir(
-                model_dir,
-                chat_template_path=config.chat_template,
-                model_type=config.model.model_type,
-            )
-            template_text = "\n".join(t.text for t in tokenizer.chat_template.sources.values())
-            behavior = choose_behavior(sources, template_text)
-            logger.info("%s", behavior.describe())
-        with phase("scheduler", bus):
-            name = args.served_model_name or (
-                demo.MODEL_NAME if engine_args.is_demo else engine_args.model or str(model_dir)
-            )
-            metrics = Metrics(name, config.scheduler.max_seq_len) if config.log_stats else None
-            llm = AsyncLLM(client, tokenizer, Telemetry(metrics, bus))
-            llm.start()
-            assert client.kv_cache is not None
-            logger.info(
-                "KV pool: %d blocks of %d tokens (%s); max_seq_len %d, max_num_seqs %d",
-                client.kv_cache.num_blocks,
-                config.cache.block_size,
-                str(config.cache.dtype).removeprefix("torch."),
-                config.scheduler.max_seq_len,
-                config.scheduler.max_num_seqs,
-            )
-        with phase("router", bus):
-            settings = ServerSettings(
-                served_model_name=name,
-                request_timeout_s=args.request_timeout,
-                always_include_usage=args.always_include_usage,
-                tool_call_parser=behavior.tool_call_parser,
-                reasoning_parser=behavior.reasoning_parser,
-                reasoning_field=args.reasoning_field,
-                max_thinking_budget=behavior.max_thinking_budget,
-                content_loop_watchdog=behavior.loop_watchdog,
-                content_loop_min_repeats=args.content_loop_min_repeats,
-                max_inter_tool_prose=behavior.max_inter_tool_prose,
-                sampling_presets=behavior.sampling_presets,
-                disable_thinking=args.disable_thinking,
-                auto_compact=args.auto_compact,
-                access_log=not args.no_access_log,
-            )
-            state = ServerState(
-                llm,
-                tokenizer,
-                config,
-                settings,
-                serve_config=_effective_config(
-                    args, config, settings, behavior, security, llm.client.forward
-                ),
-                guard=Guard(security),
-                store=store,
-            )
-            if security.api_keys:
-                logger.info(
-                    "API keys: %d; required on %s",
-                    len(security.api_keys),
-                    "every route but /health" if security.require_auth else "/v1 routes",
-                )
-            app = build_app(state)
-        server = _Server(
-            uvicorn.Config(
-                app,
-                host=args.bind,
-                port=args.port,
-                log_level="warning",
-                timeout_graceful_shutdown=5,
-                lifespan="off",
-            )
-        )
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, server.handle_exit, sig, None)
-        listening_start = time.perf_counter()
-
-        bus.publish(Phase(index=len(PHASES), total=len(PHASES), name="listening"))
-
-        async def announce() -> None:
-            while not server.started:
-                await asyncio.sleep(0.05)
-            duration = time.perf_counter() - listening_start
-            logger.info("[%2d/%d] %-22s %7.2f s", len(PHASES), len(PHASES), "listening", duration)
-            bus.publish(
-                Phase(index=len(PHASES), total=len(PHASES), name="listening", duration_s=duration)
-            )
-            logger.info("serving %s on http://%s:%d", name, args.bind, args.port)
-
-        announcer = asyncio.create_task(announce())
-        await server.serve()
-        announcer.cancel()
-    finally:
-        logger.info("shutting down")
-        if "llm" in locals():
-            await llm.shutdown()
-        else:
-            await client.shutdown()
-    return 0
 
 
 def _open_store(args: argparse.Namespace) -> RecordStore:
@@ -538,67 +326,6 @@ def _open_store(args: argparse.Namespace) -> RecordStore:
         raise SystemExit(f"met serve: --response-store: {e}") from None
     logger.info("response store: %s (%d records kept)", args.response_store, len(store))
     return store
-
-
-class _Server(uvicorn.Server):
-    """uvicorn re-raises a caught SIGTERM after its shutdown, killing the process before the
-    engine core is stopped; `met serve` owns the signals instead and exits 0 once all is down."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
-
-
-def _effective_config(
-    args: argparse.Namespace,
-    config: Any,
-    settings: Any,
-    behavior: Any,
-    security: SecurityConfig,
-    forward: ForwardInfo | None,
-) -> dict[str, Any]:
-    def plain(value: Any) -> Any:
-        if isinstance(value, msgspec.Struct):
-            return msgspec.to_builtins(value)
-        if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
-        if isinstance(value, list | tuple):
-            return [plain(v) for v in value]
-        if isinstance(value, dict):
-            return {str(k): plain(v) for k, v in value.items()}
-        if isinstance(value, int | float | str | bool) or value is None:
-            return value
-        return str(value)
-
-    return {
-        "server": {
-            "bind": args.bind,
-            "port": args.port,
-            # "uvloop" where installed (see _event_loop_factory), else "asyncio"
-            "event_loop": type(asyncio.get_running_loop()).__module__.split(".")[0],
-            **plain(settings),
-        },
-        # where the parsers and the thinking budget came from: a flag, MODEL.toml, a recipe...
-        "behavior_sources": {
-            "tool_call_parser": behavior.tool_call_parser_source,
-            "reasoning_parser": behavior.reasoning_parser_source,
-            "max_thinking_budget": behavior.max_thinking_budget_source,
-            "content_loop_watchdog": behavior.loop_watchdog_source,
-            "max_inter_tool_prose": behavior.max_inter_tool_prose_source,
-            "sampling_presets": behavior.sampling_presets_source,
-        },
-        "response_store": args.response_store,
-        "security": security.describe(),  # how many API keys, never the keys
-        "engine": plain(config),
-        # the engine process's threads, allocator and oneDNN layers on a CPU (None on a GPU)
-        "cpu_threads": plain(forward.cpu_threads if forward is not None else None),
-        "parallelism": {
-            "data_parallel_size": config.data_parallel_size,
-            "tensor_parallel_size": config.model.tensor_parallel_size,
-            "communication_backend": forward.communication_backend if forward else None,
-            "rank_devices": forward.rank_devices if forward else [],
-        },
-    }
 
 
 register(

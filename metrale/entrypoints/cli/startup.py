@@ -1,0 +1,384 @@
+"""`met serve`'s startup on node 0, phase by phase: each phase logged with its duration and told
+on the event bus as it begins and ends (the dashboard and `/v1/events` show them).
+
+The engine process was launched before this (`serve.py`): these phases read and check the
+flags, the checkpoint's recipe and the tokenizer while it loads the weights, then wait for it,
+build the server around it and serve until a signal stops it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import uvicorn
+
+from metrale.engine.client import EngineClient
+from metrale.engine.messages import ForwardInfo
+from metrale.engine_args import EngineArgs
+from metrale.server.security.config import SecurityConfig
+from metrale.server.stores import RecordStore
+from metrale.telemetry.bus import EventBus
+from metrale.telemetry.events import Phase
+
+if TYPE_CHECKING:
+    from metrale.engine.data_parallel_client import DataParallelClient
+    from metrale.engine_config import EngineConfig
+    from metrale.frontend.async_llm import AsyncLLM
+    from metrale.frontend.parser_selection import BehaviorChoice, Source
+    from metrale.server.state import ServerSettings, ServerState
+    from metrale.tokenizer import Tokenizer
+
+logger = logging.getLogger("metrale.serve")
+
+PHASES = (
+    "resolve model",
+    "load config",
+    "select kernels",
+    "backend",
+    "communication backend",
+    "preflight and weights",
+    "tokenizer and template",
+    "scheduler",
+    "router",
+    "listening",
+)
+
+
+@contextlib.contextmanager
+def phase(name: str, bus: EventBus) -> Iterator[None]:
+    """Run a startup phase: logged with its duration, and told on the bus as it begins and ends."""
+    number = PHASES.index(name) + 1
+    bus.publish(Phase(index=number, total=len(PHASES), name=name))
+    start = time.perf_counter()
+    yield
+    _finished(number, name, time.perf_counter() - start, bus)
+
+
+def _finished(number: int, name: str, duration: float, bus: EventBus) -> None:
+    logger.info("[%2d/%d] %-22s %7.2f s", number, len(PHASES), name, duration)
+    bus.publish(Phase(index=number, total=len(PHASES), name=name, duration_s=duration))
+
+
+class Startup:
+    """The phases after the model is resolved, for one `met serve` on node 0. `early`: the
+    engine process launched already (one core), else None (data parallelism: the cores start
+    once the flags are checked, in "preflight and weights")."""
+
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        engine_args: EngineArgs,
+        security: SecurityConfig,
+        bus: EventBus,
+        store: RecordStore,
+        model_dir: Path,
+    ) -> None:
+        self.args = args
+        self.engine_args = engine_args
+        self.security = security
+        self.bus = bus
+        self.store = store
+        self.model_dir = model_dir
+
+    async def run(self, early: EngineClient | None) -> int:
+        config, sources = self.load_config()
+        self.describe(config)
+        client = await self.start_engine(config, early)
+        config = client.config  # with the KV pool size the engine settled on
+        llm = None
+        try:
+            tokenizer, behavior = self.tokenizer_and_behavior(config, sources)
+            llm = self.engine_frontend(client, config, tokenizer)
+            state = self.server_state(llm, config, tokenizer, behavior)
+            await self.serve(state)
+        finally:
+            logger.info("shutting down")
+            await (llm.shutdown() if llm is not None else client.shutdown())
+        return 0
+
+    def load_config(self) -> tuple[EngineConfig, list[Source]]:
+        """The engine's config as the engine resolves it, and where the parsers and the
+        thinking budget may come from: the flags, MODEL.toml, recipes (read and checked now,
+        before waiting on the engine)."""
+        from metrale import demo
+        from metrale.frontend.parser_selection import behavior_sources
+        from metrale.models import model_class_for
+        from metrale.recipes import Behavior, Checkpoint, repo_id_of
+
+        args = self.args
+        with phase("load config", self.bus):
+            config = self.engine_args.create_config(self.model_dir)
+            model_class_for(config.model.architecture)  # one we cannot run is named here
+            watchdog = args.content_loop_watchdog
+            flags = Behavior(
+                args.tool_call_parser,
+                args.reasoning_parser,
+                args.max_thinking_budget,
+                enable_loop_watchdog=None if watchdog is None else watchdog == "on",
+                max_inter_tool_prose=args.max_inter_tool_prose,
+            )
+            repo_id = (
+                demo.repo_id() if config.is_demo else repo_id_of(config.model_name, self.model_dir)
+            )
+            checkpoint = Checkpoint(repo_id, config.model.architecture, config.model.model_type)
+            sources = behavior_sources(flags, self.model_dir, checkpoint)
+        return config, sources
+
+    def describe(self, config: EngineConfig) -> None:
+        """The kernels, device and ranks the engine runs with, a phase each."""
+        from metrale.engine.stats import communication_backend, rank_devices
+
+        with phase("select kernels", self.bus):
+            if config.attention_backend == "triton":
+                graphs = config.max_cuda_graph_batch
+                logger.info(
+                    "attention backend: triton (paged kernels); %s",
+                    f"CUDA graphs up to batch {graphs}" if graphs else "eager, no CUDA graphs",
+                )
+            else:
+                logger.info("attention backend: torch (scaled_dot_product_attention over paged KV)")
+        with phase("backend", self.bus):
+            dtype = str(config.dtype).removeprefix("torch.")
+            logger.info("device %s, dtype %s", config.device, dtype)
+        with phase("communication backend", self.bus):
+            if config.data_parallel_size > 1:
+                logger.info(
+                    "data parallelism: %d engine cores, requests routed by prefix affinity, "
+                    "then load",
+                    config.data_parallel_size,
+                )
+            if (size := config.model.tensor_parallel_size) == 1:
+                logger.info("single rank: no tensor parallelism")
+            else:
+                logger.info(
+                    "tensor parallelism: world size %d, %s, devices %s (rank 0: the engine "
+                    "process)",
+                    size,
+                    communication_backend(config.device, size),
+                    ", ".join(rank_devices(config)),
+                )
+
+    async def start_engine(
+        self, config: EngineConfig, early: EngineClient | None
+    ) -> EngineClient | DataParallelClient:
+        """The engine, once it has loaded the model: the early one, or every data-parallel
+        core started now."""
+        from metrale.engine.data_parallel_client import DataParallelClient
+        from metrale.runner.model_loader import preflight_model
+
+        with phase("preflight and weights", self.bus):
+            preflight_model(self.model_dir, config.load_format)
+            if early is not None:
+                await early.ready(config)
+                return early
+            return await DataParallelClient.start(config, in_process=self.args.engine_in_thread)
+
+    def tokenizer_and_behavior(
+        self, config: EngineConfig, sources: list[Source]
+    ) -> tuple[Tokenizer, BehaviorChoice]:
+        from metrale.frontend.parser_selection import choose_behavior
+        from metrale.tokenizer import Tokenizer
+
+        with phase("tokenizer and template", self.bus):
+            tokenizer = Tokenizer.from_dir(
+                self.model_dir,
+                chat_template_path=config.chat_template,
+                model_type=config.model.model_type,
+            )
+            template_text = "\n".join(t.text for t in tokenizer.chat_template.sources.values())
+            behavior = choose_behavior(sources, template_text)
+            logger.info("%s", behavior.describe())
+        return tokenizer, behavior
+
+    @property
+    def served_model_name(self) -> str:
+        from metrale import demo
+
+        if self.args.served_model_name:
+            return self.args.served_model_name
+        if self.engine_args.is_demo:
+            return demo.MODEL_NAME
+        return self.engine_args.model or str(self.model_dir)
+
+    def engine_frontend(
+        self,
+        client: EngineClient | DataParallelClient,
+        config: EngineConfig,
+        tokenizer: Tokenizer,
+    ) -> AsyncLLM:
+        """The API process's side of the engine: requests in, detokenized deltas out, and the
+        telemetry of both."""
+        from metrale.frontend.async_llm import AsyncLLM
+        from metrale.telemetry.hub import Telemetry
+        from metrale.telemetry.metrics import Metrics
+
+        with phase("scheduler", self.bus):
+            name = self.served_model_name
+            metrics = Metrics(name, config.scheduler.max_seq_len) if config.log_stats else None
+            llm = AsyncLLM(client, tokenizer, Telemetry(metrics, self.bus))
+            llm.start()
+            assert client.kv_cache is not None
+            logger.info(
+                "KV pool: %d blocks of %d tokens (%s); max_seq_len %d, max_num_seqs %d",
+                client.kv_cache.num_blocks,
+                config.cache.block_size,
+                str(config.cache.dtype).removeprefix("torch."),
+                config.scheduler.max_seq_len,
+                config.scheduler.max_num_seqs,
+            )
+        return llm
+
+    def server_state(
+        self, llm: AsyncLLM, config: EngineConfig, tokenizer: Tokenizer, behavior: BehaviorChoice
+    ) -> ServerState:
+        from metrale.server.security.guard import Guard
+        from metrale.server.state import ServerState
+
+        with phase("router", self.bus):
+            settings = self._settings(behavior)
+            state = ServerState(
+                llm,
+                tokenizer,
+                config,
+                settings,
+                serve_config=effective_config(
+                    self.args, config, settings, behavior, self.security, llm.client.forward
+                ),
+                guard=Guard(self.security),
+                store=self.store,
+            )
+            if self.security.api_keys:
+                logger.info(
+                    "API keys: %d; required on %s",
+                    len(self.security.api_keys),
+                    "every route but /health" if self.security.require_auth else "/v1 routes",
+                )
+        return state
+
+    def _settings(self, behavior: BehaviorChoice) -> ServerSettings:
+        from metrale.server.state import ServerSettings
+
+        args = self.args
+        return ServerSettings(
+            served_model_name=self.served_model_name,
+            request_timeout_s=args.request_timeout,
+            always_include_usage=args.always_include_usage,
+            tool_call_parser=behavior.tool_call_parser,
+            reasoning_parser=behavior.reasoning_parser,
+            reasoning_field=args.reasoning_field,
+            max_thinking_budget=behavior.max_thinking_budget,
+            content_loop_watchdog=behavior.loop_watchdog,
+            content_loop_min_repeats=args.content_loop_min_repeats,
+            max_inter_tool_prose=behavior.max_inter_tool_prose,
+            sampling_presets=behavior.sampling_presets,
+            disable_thinking=args.disable_thinking,
+            auto_compact=args.auto_compact,
+            access_log=not args.no_access_log,
+        )
+
+    async def serve(self, state: ServerState) -> None:
+        """Serve HTTP until SIGINT or SIGTERM; the "listening" phase ends when the socket is
+        open."""
+        from metrale.server.app import build_app
+
+        args = self.args
+        server = _Server(
+            uvicorn.Config(
+                build_app(state),
+                host=args.bind,
+                port=args.port,
+                log_level="warning",
+                timeout_graceful_shutdown=5,
+                lifespan="off",
+            )
+        )
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, server.handle_exit, sig, None)
+        number = PHASES.index("listening") + 1
+        self.bus.publish(Phase(index=number, total=len(PHASES), name="listening"))
+        start = time.perf_counter()
+
+        async def announce() -> None:
+            while not server.started:
+                await asyncio.sleep(0.05)
+            _finished(number, "listening", time.perf_counter() - start, self.bus)
+            logger.info("serving %s on http://%s:%d", self.served_model_name, args.bind, args.port)
+
+        announcer = asyncio.create_task(announce())
+        await server.serve()
+        announcer.cancel()
+
+
+class _Server(uvicorn.Server):
+    """uvicorn re-raises a caught SIGTERM after its shutdown, killing the process before the
+    engine core is stopped; `met serve` owns the signals instead and exits 0 once all is down."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def effective_config(
+    args: argparse.Namespace,
+    config: Any,
+    settings: Any,
+    behavior: Any,
+    security: SecurityConfig,
+    forward: ForwardInfo | None,
+) -> dict[str, Any]:
+    """What `/serve-config` shows: the server's settings, where its behaviour came from, the
+    engine's config and its parallelism, in plain JSON types."""
+
+    def plain(value: Any) -> Any:
+        if isinstance(value, msgspec.Struct):
+            return msgspec.to_builtins(value)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        if isinstance(value, list | tuple):
+            return [plain(v) for v in value]
+        if isinstance(value, dict):
+            return {str(k): plain(v) for k, v in value.items()}
+        if isinstance(value, int | float | str | bool) or value is None:
+            return value
+        return str(value)
+
+    return {
+        "server": {
+            "bind": args.bind,
+            "port": args.port,
+            # "uvloop" where installed (serve.py's _event_loop_factory), else "asyncio"
+            "event_loop": type(asyncio.get_running_loop()).__module__.split(".")[0],
+            **plain(settings),
+        },
+        # where the parsers and the thinking budget came from: a flag, MODEL.toml, a recipe...
+        "behavior_sources": {
+            "tool_call_parser": behavior.tool_call_parser_source,
+            "reasoning_parser": behavior.reasoning_parser_source,
+            "max_thinking_budget": behavior.max_thinking_budget_source,
+            "content_loop_watchdog": behavior.loop_watchdog_source,
+            "max_inter_tool_prose": behavior.max_inter_tool_prose_source,
+            "sampling_presets": behavior.sampling_presets_source,
+        },
+        "response_store": args.response_store,
+        "security": security.describe(),  # how many API keys, never the keys
+        "engine": plain(config),
+        # the engine process's threads, allocator and oneDNN layers on a CPU (None on a GPU)
+        "cpu_threads": plain(forward.cpu_threads if forward is not None else None),
+        "parallelism": {
+            "data_parallel_size": config.data_parallel_size,
+            "tensor_parallel_size": config.model.tensor_parallel_size,
+            "communication_backend": forward.communication_backend if forward else None,
+            "rank_devices": forward.rank_devices if forward else [],
+        },
+    }
