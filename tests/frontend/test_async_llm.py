@@ -40,7 +40,9 @@ async def _collect(
 
 @pytest.fixture(scope="module")
 def runs(qwen3_dir: Path) -> dict[str, list[CompletionDelta]]:
-    config = EngineArgs(model_from_path=str(qwen3_dir), max_num_seqs=4).create_config()
+    config = EngineArgs(
+        model_from_path=str(qwen3_dir), max_num_seqs=4, enforce_eager=True
+    ).create_config()
 
     async def run() -> dict[str, list[CompletionDelta]]:
         llm = AsyncLLM(
@@ -98,7 +100,10 @@ def test_the_client_hands_over_every_batch_that_has_come_in(qwen3_dir: Path, cor
     """The output router takes, besides the batch it awaited, the ones already behind it: so a
     busy API process catches up in one turn (and its callers' deltas merge)."""
     config = EngineArgs(
-        model_from_path=str(qwen3_dir), max_num_seqs=4, data_parallel_size=cores
+        model_from_path=str(qwen3_dir),
+        max_num_seqs=4,
+        data_parallel_size=cores,
+        enforce_eager=True,
     ).create_config()
     params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)
 
