@@ -229,7 +229,12 @@ def requests(draw) -> tuple[str, str, bytes, bool]:
     return name, path, json.dumps(body, allow_nan=True).encode(), streamed
 
 
-def _check_shape(path: str, status: int, content_type: str, text: str) -> None:
+def _check_shape(
+    path: str, status: int, content_type: str, text: str, cut_short: bool = False
+) -> None:
+    """A 4xx in the route's error shape, or a 2xx; a stream ends with its route's terminal event
+    and carries no server error. `cut_short`: the client stopped reading the stream early (its
+    end is not there to check)."""
     assert status < 500, (path, status, text[:500])
     if status >= 400:
         body = json.loads(text)
@@ -241,7 +246,7 @@ def _check_shape(path: str, status: int, content_type: str, text: str) -> None:
         ends = ("data: [DONE]", "event: message_stop", "event: response.completed",
                 "event: response.incomplete", "event: response.failed")  # fmt: skip
         last = text.rstrip("\n").rsplit("\n\n", 1)[-1]
-        assert any(last.startswith(end) for end in ends), text[-500:]
+        assert cut_short or any(last.startswith(end) for end in ends), text[-500:]
         assert '"type":"server_error"' not in text and '"api_error"' not in text, text[-500:]
         assert '"code":"server_error"' not in text, text[-500:]
 
@@ -315,10 +320,19 @@ schema = schemathesis.pytest.from_fixture("api_schema")
 @schema.include(method="POST").parametrize()
 @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
 def test_schema_driven_bodies_never_reach_a_5xx(case):
-    """schemathesis draws bodies from each route's schema, valid and not: none is a 5xx."""
+    """schemathesis draws bodies from each route's schema, valid and not: none is a 5xx.
+
+    schemathesis stops reading an event stream after its 20th event (`stream_cut_short`): such a
+    stream is checked for what was read. The hostile-bodies test reads every stream to its end."""
     response = case.call(timeout=60)
     content_type = (response.headers.get("content-type") or [""])[0]
     try:
-        _check_shape(case.operation.path, response.status_code, content_type, response.text)
+        _check_shape(
+            case.operation.path,
+            response.status_code,
+            content_type,
+            response.text,
+            cut_short=response.stream_cut_short,
+        )
     except AssertionError as e:  # with the body schemathesis drew, which it does not print
         raise AssertionError(f"body {str(case.body)[:2000]!r}: {e}") from None
