@@ -40,9 +40,8 @@ from metrale.frontend.tool_parsers.registry import register_tool_parser
 from metrale.frontend.tool_parsers.schema import ToolSpec, Untyped
 from metrale.frontend.tool_parsers.sink import EventSink
 from metrale.frontend.tool_parsers.tags import match_any, skip_space
+from metrale.frontend.tool_parsers.xml_block import XmlCallBlock
 from metrale.frontend.tool_parsers.xml_values import (
-    ArgumentsWriter,
-    ValueReader,
     ValueRules,
     boundaries,
     parameters_grammar,
@@ -78,47 +77,33 @@ class _State(Enum):
     VALUE = auto()
 
 
-class MinimaxBlock(BlockReader):
+class MinimaxBlock(XmlCallBlock):
     def __init__(self, sink: EventSink, options: ToolParserOptions) -> None:
-        self._sink = sink
-        self._options = options
+        super().__init__(sink, options, RULES)
         self._state = _State.BLOCK
-        self._name = ""
-        self._writer = ArgumentsWriter(sink)
-        self._value: ValueReader | None = None
-        self.committed = False
-        self.closed = False
 
     def read(self, text: str, pos: int, final: bool) -> tuple[int, bool]:
         while True:
             state = self._state
             if state is _State.BLOCK:
-                at = skip_space(text, pos)
-                tag, more = match_any(text, at, (INVOKE_OPEN, BLOCK_CLOSE), final)
-                if tag == BLOCK_CLOSE:
-                    self.closed = True
-                    return at + len(tag), True
-                if tag is None:
-                    # A reply with one call stops at `call_end`: ending here closes the block.
-                    self.closed = final and at == len(text)
-                    return pos, not more
-                pos, self._state = at + len(tag), _State.INVOKE_NAME
+                pos, done = self._between_calls(text, pos, final, BLOCK_CLOSE, INVOKE_OPEN)
+                if done is not None:
+                    return pos, done
+                self._state = _State.INVOKE_NAME
             elif state in (_State.INVOKE_NAME, _State.PARAM_NAME):
                 status, name, at, _ = scan_name(text, pos, (">",), final, clean=_unquote)
                 if status is NameScan.MORE:
                     return pos, False
                 if status is NameScan.INVALID:
                     if state is _State.PARAM_NAME:
-                        self._writer.end_call()
+                        return self._end_call(pos)
                     return pos, True
                 pos = at + 1
                 if state is _State.INVOKE_NAME:
                     self._start_call(name)
                     self._state = _State.INVOKE
                 else:
-                    spec = self._options.tools.get(self._name)
-                    schema = spec.params.get(name) if spec is not None else None
-                    self._value = ValueReader(RULES, name, schema, self._writer)
+                    self._open_value(name)
                     self._state = _State.VALUE
             elif state is _State.INVOKE:
                 at = skip_space(text, pos)
@@ -136,19 +121,10 @@ class MinimaxBlock(BlockReader):
                 else:  # not our syntax: the call ends, the text is read as content
                     return at, True
             else:  # VALUE
-                assert self._value is not None
-                pos, boundary, ended = self._value.read(text, pos, final)
-                if not ended:
-                    return pos, False
-                if boundary is None:  # the output ended inside the value
-                    self._writer.end_call()
-                    return pos, True
+                pos, done = self._read_value(text, pos, final)
+                if done is not None:
+                    return pos, done
                 self._state = _State.INVOKE
-
-    def _start_call(self, name: str) -> None:
-        self._name = name
-        self._writer = ArgumentsWriter.start_call(self._sink, name)
-        self.committed = True
 
 
 @register_tool_parser("minimax_xml")

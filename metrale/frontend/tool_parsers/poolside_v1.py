@@ -34,9 +34,8 @@ from metrale.frontend.tool_parsers.registry import register_tool_parser
 from metrale.frontend.tool_parsers.schema import ToolSpec, Untyped
 from metrale.frontend.tool_parsers.sink import EventSink
 from metrale.frontend.tool_parsers.tags import Match, match_any, match_tag, skip_space
+from metrale.frontend.tool_parsers.xml_block import XmlCallBlock
 from metrale.frontend.tool_parsers.xml_values import (
-    ArgumentsWriter,
-    ValueReader,
     ValueRules,
     boundaries,
     parameters_grammar,
@@ -62,17 +61,11 @@ class _State(Enum):
     VALUE = auto()
 
 
-class PoolsideBlock(BlockReader):
+class PoolsideBlock(XmlCallBlock):
     def __init__(self, sink: EventSink, options: ToolParserOptions) -> None:
-        self._sink = sink
-        self._options = options
+        super().__init__(sink, options, RULES)
         self._state = _State.NAME
-        self._writer = ArgumentsWriter(sink)
-        self._name = ""
         self._key = ""
-        self._value: ValueReader | None = None
-        self.committed = False
-        self.closed = False
 
     def read(self, text: str, pos: int, final: bool) -> tuple[int, bool]:
         while True:
@@ -86,9 +79,7 @@ class PoolsideBlock(BlockReader):
                 )
                 if status is not NameScan.FOUND:
                     return pos, status is NameScan.INVALID
-                self._name = name
-                self._writer = ArgumentsWriter.start_call(self._sink, name)
-                self.committed = True
+                self._start_call(name)
                 pos = at + 1 if delimiter == "\n" else at
                 self._state = _State.BODY
             elif state is _State.BODY:
@@ -97,21 +88,18 @@ class PoolsideBlock(BlockReader):
                 if tag == KEY_OPEN:
                     pos, self._state = at + len(tag), _State.KEY
                 elif tag == CALL_CLOSE:
-                    self._writer.end_call()
                     self.closed = True
-                    return at + len(tag), True
+                    return self._end_call(at + len(tag))
                 elif more:
                     return at, False
                 else:  # not our syntax: the call ends, the text is read as content
-                    self._writer.end_call()
-                    return at, True
+                    return self._end_call(at)
             elif state is _State.KEY:
                 status, key, at, _ = scan_name(text, pos, (KEY_CLOSE,), final)
                 if status is NameScan.MORE:
                     return pos, False
                 if status is NameScan.INVALID:
-                    self._writer.end_call()
-                    return pos, True
+                    return self._end_call(pos)
                 self._key = key
                 pos, self._state = at + len(KEY_CLOSE), _State.BEFORE_VALUE
             elif state is _State.BEFORE_VALUE:
@@ -123,18 +111,12 @@ class PoolsideBlock(BlockReader):
                     self._sink.note_repair()
                     pos, self._state = at, _State.BODY
                     continue
-                spec = self._options.tools.get(self._name)
-                schema = spec.params.get(self._key) if spec is not None else None
-                self._value = ValueReader(RULES, self._key, schema, self._writer)
+                self._open_value(self._key)
                 pos, self._state = at + len(VALUE_OPEN), _State.VALUE
             else:  # VALUE
-                assert self._value is not None
-                pos, boundary, ended = self._value.read(text, pos, final)
-                if not ended:
-                    return pos, False
-                if boundary is None:  # the output ended inside the value
-                    self._writer.end_call()
-                    return pos, True
+                pos, done = self._read_value(text, pos, final)
+                if done is not None:
+                    return pos, done
                 self._state = _State.BODY
 
 

@@ -54,10 +54,9 @@ from metrale.frontend.tool_parsers.registry import register_tool_parser
 from metrale.frontend.tool_parsers.schema import ToolSpec, Untyped
 from metrale.frontend.tool_parsers.sink import EventSink
 from metrale.frontend.tool_parsers.tags import Match, match_any, match_tag, skip_space
+from metrale.frontend.tool_parsers.xml_block import XmlCallBlock
 from metrale.frontend.tool_parsers.xml_values import (
-    ArgumentsWriter,
     Boundary,
-    ValueReader,
     ValueRules,
     boundaries,
     parameters_grammar,
@@ -99,17 +98,10 @@ class _State(Enum):
     AFTER_FUNCTION = auto()  # after '</function>': '</tool_call>', or another function
 
 
-class Qwen3Block(BlockReader):
+class Qwen3Block(XmlCallBlock):
     def __init__(self, sink: EventSink, options: ToolParserOptions, rules: ValueRules) -> None:
-        self._sink = sink
-        self._options = options
-        self._rules = rules
+        super().__init__(sink, options, rules)
         self._state = _State.FUNCTION
-        self._function = ""
-        self._writer = ArgumentsWriter(sink)
-        self._value: ValueReader | None = None
-        self.committed = False
-        self.closed = False
 
     def read(self, text: str, pos: int, final: bool) -> tuple[int, bool]:
         while True:
@@ -135,49 +127,29 @@ class Qwen3Block(BlockReader):
                     self._writer.end_call()
                     pos, self._state = at + len(tag), _State.AFTER_FUNCTION
                 elif tag == CALL_CLOSE:
-                    self._writer.end_call()
-                    return at + len(tag), True
+                    return self._end_call(at + len(tag))
                 elif more:
                     return at, False
                 else:  # not our syntax: the call ends, the text is read as content
-                    self._writer.end_call()
-                    return at, True
+                    return self._end_call(at)
             elif state is _State.PARAM_NAME:
                 status, name, at, _ = scan_name(text, pos, (">",), final)
                 if status is NameScan.MORE:
                     return pos, False
                 if status is NameScan.INVALID:
-                    self._writer.end_call()
-                    return pos, True
-                spec = self._options.tools.get(self._function)
-                schema = spec.params.get(name) if spec is not None else None
-                self._value = ValueReader(self._rules, name, schema, self._writer)
+                    return self._end_call(pos)
+                self._open_value(name)
                 pos, self._state = at + 1, _State.VALUE
             elif state is _State.VALUE:
-                assert self._value is not None
-                pos, boundary, ended = self._value.read(text, pos, final)
-                if not ended:
-                    return pos, False
-                if boundary is None:  # the output ended inside the value
-                    self._writer.end_call()
-                    return pos, True
+                pos, done = self._read_value(text, pos, final)
+                if done is not None:
+                    return pos, done
                 self._state = _State.BODY
             else:  # AFTER_FUNCTION
-                at = skip_space(text, pos)
-                tag, more = match_any(text, at, (CALL_CLOSE, FUNCTION_OPEN), final)
-                if tag == CALL_CLOSE:
-                    self.closed = True
-                    return at + len(tag), True
-                if tag is None:
-                    # A reply with one call stops at `call_end`: ending here closes the block.
-                    self.closed = final and at == len(text)
-                    return pos, not more
-                pos, self._state = at + len(tag), _State.NAME
-
-    def _start_call(self, name: str) -> None:
-        self._function = name
-        self._writer = ArgumentsWriter.start_call(self._sink, name)
-        self.committed = True
+                pos, done = self._between_calls(text, pos, final, CALL_CLOSE, FUNCTION_OPEN)
+                if done is not None:
+                    return pos, done
+                self._state = _State.NAME
 
 
 @register_tool_parser("qwen3_coder")
