@@ -31,11 +31,13 @@ from metrale.telemetry.bus import EventBus
 from metrale.telemetry.events import Phase
 
 if TYPE_CHECKING:
+    from fastapi import FastAPI
+
     from metrale.engine.data_parallel_client import DataParallelClient
     from metrale.engine_config import EngineConfig
     from metrale.frontend.async_llm import AsyncLLM
     from metrale.frontend.parser_selection import BehaviorChoice, Source
-    from metrale.server.state import ServerSettings, ServerState
+    from metrale.server.state import ServerSettings
     from metrale.tokenizer import Tokenizer
 
 logger = logging.getLogger("metrale.serve")
@@ -91,6 +93,7 @@ class Startup:
         self.model_dir = model_dir
 
     async def run(self, early: EngineClient | None) -> int:
+        _import_server()  # while the engine loads the model, not after it is ready
         config, sources = self.load_config()
         self.describe(config)
         client = await self.start_engine(config, early)
@@ -99,8 +102,8 @@ class Startup:
         try:
             tokenizer, behavior = self.tokenizer_and_behavior(config, sources)
             llm = self.engine_frontend(client, config, tokenizer)
-            state = self.server_state(llm, config, tokenizer, behavior)
-            await self.serve(state)
+            app = self.server_app(llm, config, tokenizer, behavior)
+            await self.serve(app)
         finally:
             logger.info("shutting down")
             await (llm.shutdown() if llm is not None else client.shutdown())
@@ -238,9 +241,11 @@ class Startup:
             )
         return llm
 
-    def server_state(
+    def server_app(
         self, llm: AsyncLLM, config: EngineConfig, tokenizer: Tokenizer, behavior: BehaviorChoice
-    ) -> ServerState:
+    ) -> FastAPI:
+        """The HTTP app around the engine: its settings, its state and its routes."""
+        from metrale.server.app import build_app
         from metrale.server.security.guard import Guard
         from metrale.server.state import ServerState
 
@@ -263,7 +268,8 @@ class Startup:
                     len(self.security.api_keys),
                     "every route but /health" if self.security.require_auth else "/v1 routes",
                 )
-        return state
+            app = build_app(state)
+        return app
 
     def _settings(self, behavior: BehaviorChoice) -> ServerSettings:
         from metrale.server.state import ServerSettings
@@ -286,15 +292,13 @@ class Startup:
             access_log=not args.no_access_log,
         )
 
-    async def serve(self, state: ServerState) -> None:
+    async def serve(self, app: FastAPI) -> None:
         """Serve HTTP until SIGINT or SIGTERM; the "listening" phase ends when the socket is
         open."""
-        from metrale.server.app import build_app
-
         args = self.args
         server = _Server(
             uvicorn.Config(
-                build_app(state),
+                app,
                 host=args.bind,
                 port=args.port,
                 log_level="warning",
@@ -318,6 +322,17 @@ class Startup:
         announcer = asyncio.create_task(announce())
         await server.serve()
         announcer.cancel()
+
+
+def _import_server() -> None:
+    """Import what the phases after the engine's will use: the server's modules take about a
+    second to import, which overlaps the engine's loading here instead of following it."""
+    import metrale.frontend.async_llm
+    import metrale.frontend.parser_selection
+    import metrale.server.app
+    import metrale.telemetry.hub
+    import metrale.telemetry.metrics
+    import metrale.tokenizer  # noqa: F401
 
 
 class _Server(uvicorn.Server):
