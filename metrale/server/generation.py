@@ -221,14 +221,10 @@ async def _merged_deltas(
 ) -> AsyncIterator[tuple[int, CompletionDelta]]:
     record = access_log.current_record()
     api = record.api if record is not None else "unknown"
-    streams = [
-        state.llm.generate(child, api, coalesce=prompt.coalesce)
-        for prompt in prompts
-        for child in prompt.children
-    ]
-    children = [child for prompt in prompts for child in prompt.children]
+    children = [(child, prompt.coalesce) for prompt in prompts for child in prompt.children]
+    streams = [state.llm.generate(child, api, coalesce=merge) for child, merge in children]
     if record is not None:
-        record.add_prompt(sum(len(child.prompt_token_ids) for child in children))
+        record.add_prompt(sum(len(child.prompt_token_ids) for child, _ in children))
     generated = 0
     if admission is not None:
         admission.started()
