@@ -187,10 +187,17 @@ def finished(server, reason: str) -> float:
 
 
 def test_request_timeout(qwen3_dir, tmp_path):
-    server = start_server(qwen3_dir, tmp_path / "server.log", "--request-timeout", "0.15")
+    server = start_server(qwen3_dir, tmp_path / "server.log", "--request-timeout", "0.05")
     try:
-        # 480 tokens take ~0.7 s on an idle 2-core machine: far past the 0.15 s limit.
-        body = {"model": MODEL_NAME, "messages": USER, "max_tokens": 480, "ignore_eos": True}
+        # Four choices of 480 tokens: ~0.4 s on the fastest 2-core VM seen (one took 0.28 s),
+        # ~1.5 s on a slow one, far past the 0.05 s limit either way.
+        body = {
+            "model": MODEL_NAME,
+            "messages": USER,
+            "max_tokens": 480,
+            "n": 4,
+            "ignore_eos": True,
+        }
         response = httpx.post(server.api_url + "/chat/completions", json=body, timeout=30)
         assert response.status_code == 408
         assert "timed out" in response.json()["error"]["message"]
