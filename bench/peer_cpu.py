@@ -136,13 +136,13 @@ def commands(model: Path, gguf: Path | None, port: int, args) -> dict[str, list[
     return {
         "metrale": [
             sys.executable, "-m", "metrale", "serve", "--model-from-path", str(model),
-            "--port", str(port), "--dtype", "float32", "--max-seq-len", "2048",
+            "--port", str(port), "--dtype", args.dtype, "--max-seq-len", "2048",
             "--served-model-name", "bench", "--no-prefix-caching",
         ],
         "vllm": [
             args.vllm_python or "", "-m", "vllm.entrypoints.openai.api_server", "--model",
             str(model), "--served-model-name", "bench", "--host", "127.0.0.1", "--port",
-            str(port), "--dtype", "float32", "--max-model-len", "2048",
+            str(port), "--dtype", args.dtype, "--max-model-len", "2048",
             "--no-enable-prefix-caching",
         ],
         "llamacpp": llamacpp_cmd(args.llamacpp_python or "", gguf or Path(), port, "bench"),
@@ -167,6 +167,13 @@ def main() -> None:
     parser.add_argument("--llamacpp-python")
     parser.add_argument("--against-env", help="VAR=VALUE[,...]: met serve under them, no peers")
     parser.add_argument("--against-args", help="met serve with these flags added, no peers")
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="what Metrale and vLLM compute in (llama.cpp keeps its float32 GGUF file); vLLM's "
+        "own --dtype auto would run this float32 checkpoint in bfloat16",
+    )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument(
         "--requests", type=int, default=32, help="requests of the 16-stream load (16 at a time)"
@@ -230,6 +237,7 @@ def main() -> None:
             "output_len": OUTPUT_LEN,
             "model": model.name,
             "requests_16_streams": args.requests,
+            "dtype": args.dtype,
         },
         "prompt_tokens_counted": counted,
         "runs": runs,
@@ -244,7 +252,9 @@ def main() -> None:
         },
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    tag = "-ab" if args.against_env or args.against_args else ""
+    tag = ("-ab" if args.against_env or args.against_args else "") + (
+        f"-{args.dtype}" if args.dtype != "float32" else ""
+    )
     target = args.out / f"peer_cpu-{result['date']}{tag}.json"
     target.write_text(json.dumps(result, indent=1))
     print(json.dumps({k: result[k] for k in ("prompt_tokens_counted", "medians", "metrale_vs")}))

@@ -206,11 +206,17 @@ def main() -> None:
     parser.add_argument(
         "--enforce-eager", action="store_true", help="no compiled one-row decode steps"
     )
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="what the engine computes in",
+    )
     args = parser.parse_args()
     path = checkpoint(ROOT / ".cache" / "llama-34m")
     llm = LLM(
         model_from_path=str(path),
-        dtype="float32",
+        dtype=args.dtype,
         enable_prefix_caching=False,
         enforce_eager=args.enforce_eager,
         max_prefill_tokens=2048,  # every prompt in one step: the steps timed after it are decodes
@@ -222,7 +228,8 @@ def main() -> None:
     compiled = "eager" if llm.engine.runner.compiled is None else "one-row steps compiled"
     lines = [
         f"# CPU engine step profile, {date}: {torch.get_num_threads()} torch threads, "
-        f"torch {torch.__version__}, {path.name} ({params:.1f}M parameters, fp32), {compiled}",
+        f"torch {torch.__version__}, {path.name} ({params:.1f}M parameters, {args.dtype}), "
+        f"{compiled}",
         "",
     ]
     for streams in (1, 16):
