@@ -142,9 +142,10 @@ def paged_decode_attention(
     scale: float,
     sliding_window: int | None,
 ) -> torch.Tensor:
-    """Each row of q ([rows, heads, D] float32) attending over the first `seq_lens[i]` slots of
-    its block table (int64 [rows, max_blocks]) in the caches ([blocks, block_size, kv_heads, D]
-    float32), the last `sliding_window` of them if set: [rows, heads, D]."""
+    """Each row of q ([rows, heads, D]) attending over the first `seq_lens[i]` slots of its
+    block table (int64 [rows, max_blocks]) in the caches ([blocks, block_size, kv_heads, D], q's
+    dtype: float32, bfloat16 or float16; sums in float32), the last `sliding_window` of them if
+    set: [rows, heads, D]."""
     return torch.ops.metrale_cpu.paged_decode_attention(
         q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window or 0
     )
@@ -152,8 +153,12 @@ def paged_decode_attention(
 
 def attends_in_place(cache_dtype: torch.dtype, head_dim: int) -> bool:
     """Whether decode rows over a cache of `cache_dtype` attend through `paged_decode_attention`:
-    the kernels on, a float32 cache, a head size of a multiple of its 16 lanes."""
-    return cache_dtype == torch.float32 and head_dim % 16 == 0 and enabled()
+    the kernels on, a float32, bfloat16 or float16 cache (not fp8), a head size of a multiple of
+    its 16 lanes."""
+    return cache_dtype in _ATTENDED_DTYPES and head_dim % 16 == 0 and enabled()
+
+
+_ATTENDED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def takes(x: torch.Tensor) -> bool:

@@ -1,7 +1,9 @@
 """The CPU kernel of decode attention over the paged cache (`kernels/cpu_extension.py`): each row
 equals SDPA over its own slots gathered out of the pool, for groups of 1, 2 and 3 query heads a
 KV head, contexts of one slot, a block's end and a whole table, blocks in any order, and a
-sliding window, and scores far apart; inputs it cannot read are errors, not wrong numbers.
+sliding window, and scores far apart; over a bfloat16 or float16 pool it equals float32 SDPA over
+the same 16-bit values to the output's rounding; inputs it cannot read are errors, not wrong
+numbers.
 """
 
 from __future__ import annotations
@@ -66,6 +68,33 @@ def test_rows_equal_sdpa_over_their_own_slots(heads, kv_heads, window, scale):
     torch.testing.assert_close(got, reference(*args, window), rtol=tolerance, atol=tolerance)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("window", [None, 40])
+def test_a_16_bit_pool_is_read_as_it_is(dtype, window):
+    """Keys, values and q held in 16 bits (a bfloat16 checkpoint's cache): the kernel widens
+    them as it loads and sums in float32, so it equals float32 SDPA over the same 16-bit values,
+    its output rounded once to the pool's dtype."""
+    assert cpu_extension.available()
+    head_dim, num_blocks, max_blocks = 64, 40, 6
+    k_cache, v_cache = (x.to(dtype) for x in pool(num_blocks, 2, head_dim))
+    g = torch.Generator().manual_seed(7)
+    lengths = [1, BLOCK + 1, max_blocks * BLOCK, 50]
+    block_tables = torch.stack(
+        [torch.randperm(num_blocks, generator=g)[:max_blocks] for _ in lengths]
+    )
+    q = torch.randn(len(lengths), 8, head_dim, generator=g).to(dtype)
+    seq_lens = torch.tensor(lengths)
+    got = cpu_extension.paged_decode_attention(
+        q, k_cache, v_cache, block_tables, seq_lens, 0.125, window
+    )
+    assert got.dtype == dtype
+    wide = (x.float() for x in (q, k_cache, v_cache))
+    want = reference(*wide, block_tables, seq_lens, 0.125, window).to(dtype)
+    # One rounding of the output apart at most: a unit in its last place.
+    ulp = 2**-7 if dtype == torch.bfloat16 else 2**-10
+    torch.testing.assert_close(got.float(), want.float(), rtol=ulp, atol=1e-3)
+
+
 def test_inputs_it_cannot_read_are_errors():
     assert cpu_extension.available()
     k_cache, v_cache = pool(4, 2, 32)
@@ -78,7 +107,9 @@ def test_inputs_it_cannot_read_are_errors():
         attend(q, k_cache, v_cache, torch.tensor([[0, 9]]), torch.tensor([20]), 1.0, None)
     with pytest.raises(RuntimeError, match="int64"):
         attend(q, k_cache, v_cache, tables.int(), torch.tensor([3]), 1.0, None)
-    with pytest.raises(RuntimeError, match="float32"):
+    with pytest.raises(RuntimeError, match="caches' dtype"):
         attend(q.half(), k_cache, v_cache, tables, torch.tensor([3]), 1.0, None)
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or float16"):
+        attend(q.double(), k_cache.double(), v_cache.double(), tables, torch.tensor([3]), 1.0, 0)
     with pytest.raises(RuntimeError, match="query heads"):
         attend(torch.randn(1, 3, 32), k_cache, v_cache, tables, torch.tensor([3]), 1.0, None)

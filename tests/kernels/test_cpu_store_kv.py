@@ -1,7 +1,8 @@
 """The CPU kernel that writes a compiled decode step's keys and values to their slots of the
 pool (`kernels/cpu_extension.py`'s `store_kv`): the pool afterwards equals the torch formula's
-(`layers/attention/compiled_decode.py`), for keys whose heads are strided views of a projection;
-nothing but the layer's slots changes; slots and shapes it cannot take are errors.
+(`layers/attention/compiled_decode.py`), for keys whose heads are strided views of a projection,
+in float32, bfloat16 and float16; nothing but the layer's slots changes; slots and shapes it
+cannot take are errors.
 """
 
 from __future__ import annotations
@@ -28,17 +29,18 @@ def pool() -> torch.Tensor:
     return torch.randn(LAYERS, 2, BLOCKS, BLOCK, KV_HEADS, HEAD_DIM)
 
 
-def step_kv(tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+def step_kv(tokens: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     # k and v as a fused projection's slices: rows of 4 heads, every other head taken.
-    qkv = torch.randn(tokens, 2, KV_HEADS * 2, HEAD_DIM)
+    qkv = torch.randn(tokens, 2, KV_HEADS * 2, HEAD_DIM).to(dtype)
     return qkv[:, 0, ::2], qkv[:, 1, 1::2]
 
 
-def test_the_pool_equals_the_torch_formulas():
-    k, v = step_kv(6)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_pool_equals_the_torch_formulas(dtype):
+    k, v = step_kv(6, dtype)
     assert not k.is_contiguous()
     slots = torch.tensor([19, 0, 7, 12, 3, 8])
-    ours = pool()
+    ours = pool().to(dtype)
     theirs = ours.clone()
     before = ours.clone()
     torch.ops.metrale_cpu.store_kv(ours, 1, slots, k, v)
@@ -50,7 +52,14 @@ def test_the_pool_equals_the_torch_formulas():
 
 @pytest.mark.parametrize(
     "case",
-    ["slot past the pool", "negative slot", "layer past the pool", "wrong head size", "bf16 pool"],
+    [
+        "slot past the pool",
+        "negative slot",
+        "layer past the pool",
+        "wrong head size",
+        "bf16 pool, fp32 keys",
+        "fp64 pool",
+    ],
 )
 def test_what_it_cannot_take_is_an_error(case):
     kv = pool()
@@ -64,8 +73,10 @@ def test_what_it_cannot_take_is_an_error(case):
         layer = LAYERS
     elif case == "wrong head size":
         k = k[..., :16]
-    else:
+    elif case == "bf16 pool, fp32 keys":
         kv = kv.bfloat16()
+    else:
+        kv, k, v = kv.double(), k.double(), v.double()
     before = kv.clone()
     with pytest.raises(RuntimeError):
         torch.ops.metrale_cpu.store_kv(kv, layer, slots, k, v)

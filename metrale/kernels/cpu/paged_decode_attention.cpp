@@ -1,7 +1,9 @@
 // Decode attention over the paged KV cache on a CPU (kernels/cpu_extension.py builds this): each
 // query row is one decode that sees the first seq_lens[i] slots of its block table (the last
 // `window` of them with a sliding window), its keys and values read in place from the pool, one
-// pass, online softmax, float32. Rows split across torch's threads.
+// pass, online softmax. The cache and q hold float32, bfloat16 or float16; 16-bit values are
+// widened to float32 as they are loaded, and every sum is float32. Rows split across torch's
+// threads.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -28,13 +30,26 @@ inline float sum_of(const Vec& v) {
   return at::vec::vec_reduce_all<float>([](const Vec& x, const Vec& y) { return x + y; }, v);
 }
 
+// Vec::size() values of a cache or q, as float32.
+template <typename T>
+inline Vec widen(const T* p) {
+  Vec v;
+  at::vec::load_to_float<T>(p, v);
+  return v;
+}
+template <>
+inline Vec widen<float>(const float* p) {
+  return Vec::loadu(p);
+}
+
 // a . b over d values (d a multiple of kLanes): one SIMD partial sum, reduced by shuffles. A
 // scalar sum of the partial's lanes is a chain of 16 dependent adds, and at 1,500 dot products a
 // row and layer that chain was most of the kernel's time.
-inline float dot(const float* a, const float* b, int64_t d) {
-  Vec sum = Vec::loadu(a) * Vec::loadu(b);
+template <typename T>
+inline float dot(const float* a, const T* b, int64_t d) {
+  Vec sum = Vec::loadu(a) * widen(b);
   for (int64_t j = Vec::size(); j < d; j += Vec::size()) {
-    sum = at::vec::fmadd(Vec::loadu(a + j), Vec::loadu(b + j), sum);
+    sum = at::vec::fmadd(Vec::loadu(a + j), widen(b + j), sum);
   }
   return sum_of(sum);
 }
@@ -55,60 +70,41 @@ inline float weigh(float* w, int64_t n, float m) {
 
 // acc[0, d) = c * acc + sum over t of w[t] * v_t, v_t = v + t * stride: each SIMD slice of the
 // accumulator stays in a register across the slots.
-inline void accumulate(float* acc, float c, const float* w, const float* v, int64_t n,
-                       int64_t stride, int64_t d) {
+template <typename T>
+inline void accumulate(float* acc, float c, const float* w, const T* v, int64_t n, int64_t stride,
+                       int64_t d) {
   for (int64_t j = 0; j < d; j += Vec::size()) {
     Vec a = Vec::loadu(acc + j) * Vec(c);
     for (int64_t t = 0; t < n; ++t) {
-      a = at::vec::fmadd(Vec(w[t]), Vec::loadu(v + t * stride + j), a);
+      a = at::vec::fmadd(Vec(w[t]), widen(v + t * stride + j), a);
     }
     a.store(acc + j);
   }
 }
 
-at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
-                                  const at::Tensor& v_cache, const at::Tensor& block_tables,
-                                  const at::Tensor& seq_lens, double scale, int64_t window) {
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, "q must be float32 [rows, heads, D]");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == at::kFloat && k_cache.is_contiguous() &&
-                  v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == at::kFloat &&
-                  v_cache.is_contiguous(),
-              "the caches must be float32 [blocks, block_size, kv_heads, D], contiguous");
-  const int64_t rows = q.size(0), heads = q.size(1), d = q.size(2);
+template <typename T>
+void attend_rows(const at::Tensor& qc, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                 const at::Tensor& tables, const int64_t* len, float s, int64_t window,
+                 at::Tensor& out) {
+  const int64_t rows = qc.size(0), heads = qc.size(1), d = qc.size(2);
   const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == d && d % kLanes == 0, "head size ", d, " (a multiple of ",
-              kLanes, ", the caches' too)");
-  TORCH_CHECK(heads % kv_heads == 0, heads, " query heads over ", kv_heads, " KV heads");
-  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == rows &&
-                  block_tables.scalar_type() == at::kLong,
-              "block_tables must be int64 [rows, max_blocks]");
-  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.size(0) == rows && seq_lens.scalar_type() == at::kLong,
-              "seq_lens must be int64 [rows]");
-  const at::Tensor qc = q.contiguous();
-  const at::Tensor tables = block_tables.contiguous();
-  const at::Tensor lens = seq_lens.contiguous();
   const int64_t max_blocks = tables.size(1), num_blocks = k_cache.size(0);
-  const int64_t* len = lens.data_ptr<int64_t>();
-  for (int64_t i = 0; i < rows; ++i) {
-    TORCH_CHECK(len[i] >= 1 && len[i] <= max_blocks * block_size, "row ", i, " sees ", len[i],
-                " slots, its block table holds ", max_blocks * block_size);
-  }
-  at::Tensor out = at::empty_like(qc);
   const int64_t group = heads / kv_heads;
-  const float* qp = qc.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
+  const T* qp = qc.data_ptr<T>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
   const int64_t* bt = tables.data_ptr<int64_t>();
-  float* op = out.data_ptr<float>();
-  const float s = static_cast<float>(scale);
-  const int64_t slot_stride = kv_heads * d;  // floats from one slot to the next
+  T* op = out.data_ptr<T>();
+  const int64_t slot_stride = kv_heads * d;  // values from one slot to the next
   // A task is a row. Each of its blocks is read front to back, keys then values (a slot's heads
   // lie side by side): the order the memory's prefetchers follow. Reading one KV head at a time
   // strode through the blocks and took 2x the gather + SDPA's time in a real step.
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(heads * d), weight(heads * block_size), best(heads), total(heads);
+    std::vector<float> acc(heads * d), weight(heads * block_size), best(heads), total(heads),
+        query(heads * d);
     for (int64_t i = begin; i < end; ++i) {
-      const float* qi = qp + i * heads * d;
+      for (int64_t j = 0; j < heads * d; ++j) query[j] = static_cast<float>(qp[i * heads * d + j]);
+      const float* qi = query.data();
       const int64_t stop = len[i];
       const int64_t start = window > 0 ? std::max<int64_t>(0, stop - window) : 0;
       std::fill(acc.begin(), acc.end(), 0.f);
@@ -119,11 +115,11 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
         TORCH_CHECK(block >= 0 && block < num_blocks, "block ", block, " is not in the pool");
         const int64_t lo = std::max(start, b * block_size) - b * block_size;
         const int64_t hi = std::min(stop, (b + 1) * block_size) - b * block_size;
-        const float* kb = kp + block * block_size * slot_stride;
-        const float* vb = vp + block * block_size * slot_stride;
+        const T* kb = kp + block * block_size * slot_stride;
+        const T* vb = vp + block * block_size * slot_stride;
         for (int64_t t = lo; t < hi; ++t) {
           for (int64_t head = 0; head < heads; ++head) {
-            const float* k = kb + t * slot_stride + (head / group) * d;
+            const T* k = kb + t * slot_stride + (head / group) * d;
             weight[head * block_size + t] = s * dot(qi + head * d, k, d);
           }
         }
@@ -140,12 +136,53 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
         }
       }
       for (int64_t head = 0; head < heads; ++head) {
-        float* o = op + (i * heads + head) * d;
+        T* o = op + (i * heads + head) * d;
         const float inv = 1.f / total[head];
-        for (int64_t j = 0; j < d; ++j) o[j] = acc[head * d + j] * inv;
+        for (int64_t j = 0; j < d; ++j) o[j] = static_cast<T>(acc[head * d + j] * inv);
       }
     }
   });
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                  const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                  const at::Tensor& seq_lens, double scale, int64_t window) {
+  const auto dtype = k_cache.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+              "the caches must hold float32, bfloat16 or float16");
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == dtype, "q must be [rows, heads, D] of the "
+              "caches' dtype");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
+                  v_cache.scalar_type() == dtype && v_cache.is_contiguous(),
+              "the caches must be [blocks, block_size, kv_heads, D] of one dtype, contiguous");
+  const int64_t rows = q.size(0), heads = q.size(1), d = q.size(2);
+  const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == d && d % kLanes == 0, "head size ", d, " (a multiple of ",
+              kLanes, ", the caches' too)");
+  TORCH_CHECK(heads % kv_heads == 0, heads, " query heads over ", kv_heads, " KV heads");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == rows &&
+                  block_tables.scalar_type() == at::kLong,
+              "block_tables must be int64 [rows, max_blocks]");
+  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.size(0) == rows && seq_lens.scalar_type() == at::kLong,
+              "seq_lens must be int64 [rows]");
+  const at::Tensor qc = q.contiguous();
+  const at::Tensor tables = block_tables.contiguous();
+  const at::Tensor lens = seq_lens.contiguous();
+  const int64_t max_blocks = tables.size(1);
+  const int64_t* len = lens.data_ptr<int64_t>();
+  for (int64_t i = 0; i < rows; ++i) {
+    TORCH_CHECK(len[i] >= 1 && len[i] <= max_blocks * block_size, "row ", i, " sees ", len[i],
+                " slots, its block table holds ", max_blocks * block_size);
+  }
+  at::Tensor out = at::empty_like(qc);
+  const float s = static_cast<float>(scale);
+  if (dtype == at::kFloat) {
+    attend_rows<float>(qc, k_cache, v_cache, tables, len, s, window, out);
+  } else if (dtype == at::kBFloat16) {
+    attend_rows<at::BFloat16>(qc, k_cache, v_cache, tables, len, s, window, out);
+  } else {
+    attend_rows<at::Half>(qc, k_cache, v_cache, tables, len, s, window, out);
+  }
   return out;
 }
 

@@ -3,8 +3,8 @@
 It gathers each request's blocks into a [batch, context] view and calls
 `scaled_dot_product_attention`: all decode tokens of the step in one call, each prefill chunk in
 its own (padding one-token queries to the length of a prompt chunk would multiply the work of
-every decode in a mixed step). On a CPU with a float32 cache the decode tokens instead attend
-through `paged_decode_attention` (`kernels/cpu_extension.py`), which reads their blocks in place
+every decode in a mixed step). On a CPU with a float32, bfloat16 or float16 cache the decode
+tokens instead attend through `paged_decode_attention` (`kernels/cpu_extension.py`), which reads their blocks in place
 (16 rows of peers.md's 33.6M Llama: ~220 against ~320 us a layer for the gather and SDPA).
 """
 
@@ -147,7 +147,8 @@ def _visible(
 
 def _attend_decodes(layer: Attention, q: torch.Tensor, d: DecodeGroup) -> torch.Tensor:
     """The decode rows' attention, q [num_seqs, num_heads, head_dim]: read in place by the CPU
-    kernel where it takes them (float32 throughout, a head size of a multiple of 16), else
+    kernel where it takes them (q and the cache of one dtype, float32, bfloat16 or float16; a
+    head size of a multiple of 16), else
     gathered and through SDPA."""
     if (
         d.block_tables is not None
