@@ -28,6 +28,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--label", required=True)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument(
         "--enforce-eager", action="store_true", help="no compiled one-row decode steps"
     )
@@ -38,7 +39,7 @@ def main() -> None:
     path = checkpoint(ROOT / ".cache" / "llama-34m")
     llm = LLM(
         model_from_path=str(path),
-        dtype="float32",
+        dtype=args.dtype,
         enable_prefix_caching=False,
         enforce_eager=args.enforce_eager,
         max_prefill_tokens=2048,  # every prompt in one step: the steps timed after it are decodes
