@@ -28,10 +28,12 @@ torch paths.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
 import platform
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -77,23 +79,30 @@ def enabled() -> bool:
     return envs.cpu_kernels() and available()
 
 
+def extension_name() -> str:
+    """The kernels' name for torch's builder: a new one for new sources or another CPU kind."""
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES)).hexdigest()[:10]
+    return f"metrale_cpu_{digest}_{_machine_tag()}"
+
+
 @functools.cache
 def available() -> bool:
     """Whether the kernels are built and their ops registered (built now if need be, once a
     process)."""
     from torch.utils.cpp_extension import load
 
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES)).hexdigest()[:10]
+    name = extension_name()
     logger.info("loading Metrale's CPU kernels (built once a machine, ~30 s)")
     try:
-        load(
-            f"metrale_cpu_{digest}_{_machine_tag()}",
-            sources=[str(p) for p in _SOURCES],
-            extra_cflags=["-O3", "-march=native", "-fopenmp", *_vector_width()],
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-            verbose=False,
-        )
+        with _build_lock(name):
+            load(
+                name,
+                sources=[str(p) for p in _SOURCES],
+                extra_cflags=["-O3", "-march=native", "-fopenmp", *_vector_width()],
+                extra_ldflags=["-fopenmp"],
+                is_python_module=False,
+                verbose=False,
+            )
     except Exception as e:  # no compiler, no ninja, a failed build: whatever the builder raises
         logger.warning(
             "could not build Metrale's CPU kernels (packed GGUF products, paged decode "
@@ -109,6 +118,34 @@ def available() -> bool:
         torch.library.register_fake("metrale_cpu::store_kv")(_fake_store)
         _traceable = True
     return True
+
+
+@contextlib.contextmanager
+def _build_lock(name: str) -> Iterator[None]:
+    """Hold extension `name`'s build directory while torch builds or loads it.
+
+    torch's own lock there is a file that it creates and deletes: a process killed while it
+    held it (Ctrl-C during the first start's ~30 s build) leaves it behind, and every later
+    load of the extension then waits on it forever, so `met serve` hung at startup. This lock is
+    an flock, which the OS drops with its holder; whoever holds it deletes a lock file torch
+    left, which no live process can own, since every builder of these kernels takes this lock
+    first."""
+    try:
+        import fcntl
+
+        from torch.utils.cpp_extension import _get_build_directory
+
+        directory = Path(_get_build_directory(name, verbose=False))
+    except (ImportError, AttributeError):  # no flock (Windows), or torch moved its helper
+        yield
+        return
+    with (directory / "metrale.flock").open("w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        stale = directory / "lock"
+        if stale.exists():
+            logger.warning("removing %s, left by a build that was stopped", stale)
+            stale.unlink(missing_ok=True)
+        yield
 
 
 def _fake_gemv(x, qweight, scales, mins, fmt):
