@@ -139,6 +139,7 @@ def _build_lock(name: str) -> Iterator[None]:
     except (ImportError, AttributeError):  # no flock (Windows), or torch moved its helper
         yield
         return
+    directory.mkdir(parents=True, exist_ok=True)
     with (directory / "metrale.flock").open("w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
         stale = directory / "lock"

@@ -4,8 +4,9 @@ It gathers each request's blocks into a [batch, context] view and calls
 `scaled_dot_product_attention`: all decode tokens of the step in one call, each prefill chunk in
 its own (padding one-token queries to the length of a prompt chunk would multiply the work of
 every decode in a mixed step). On a CPU with a float32, bfloat16 or float16 cache the decode
-tokens instead attend through `paged_decode_attention` (`kernels/cpu_extension.py`), which reads their blocks in place
-(16 rows of peers.md's 33.6M Llama: ~220 against ~320 us a layer for the gather and SDPA).
+tokens instead attend through `paged_decode_attention` (`kernels/cpu_extension.py`), which
+reads their blocks in place (16 rows of peers.md's 33.6M Llama: ~220 against ~320 us a layer
+for the gather and SDPA).
 """
 
 from __future__ import annotations
