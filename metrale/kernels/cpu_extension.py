@@ -45,6 +45,8 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = sorted((Path(__file__).parent / "cpu").glob("*.cpp"))
 _traceable = False  # the ops' fake (tracing) implementations are registered
+# The caches `paged_decode_attention` reads (fp8 ones stay on the torch path).
+_ATTENDED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @functools.cache
@@ -194,9 +196,6 @@ def attends_in_place(cache_dtype: torch.dtype, head_dim: int) -> bool:
     the kernels on, a float32, bfloat16 or float16 cache (not fp8), a head size of a multiple of
     its 16 lanes."""
     return cache_dtype in _ATTENDED_DTYPES and head_dim % 16 == 0 and enabled()
-
-
-_ATTENDED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def takes(x: torch.Tensor) -> bool:

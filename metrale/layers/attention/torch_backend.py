@@ -149,8 +149,7 @@ def _visible(
 def _attend_decodes(layer: Attention, q: torch.Tensor, d: DecodeGroup) -> torch.Tensor:
     """The decode rows' attention, q [num_seqs, num_heads, head_dim]: read in place by the CPU
     kernel where it takes them (q and the cache of one dtype, float32, bfloat16 or float16; a
-    head size of a multiple of 16), else
-    gathered and through SDPA."""
+    head size of a multiple of 16), else gathered and through SDPA."""
     if (
         d.block_tables is not None
         and q.dtype == layer.k_cache.dtype
