@@ -30,6 +30,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument(
+        "--prompt-len", type=int, default=128, help="tokens a prompt (the decodes' context)"
+    )
+    parser.add_argument(
         "--enforce-eager", action="store_true", help="no compiled one-row decode steps"
     )
     args = parser.parse_args()
@@ -42,14 +45,21 @@ def main() -> None:
         dtype=args.dtype,
         enable_prefix_caching=False,
         enforce_eager=args.enforce_eager,
-        max_prefill_tokens=2048,  # every prompt in one step: the steps timed after it are decodes
+        max_seq_len=args.prompt_len + 256,
+        # every prompt in one step: the steps timed after it are decodes
+        max_prefill_tokens=max(2048, 16 * args.prompt_len),
     )
-    result: dict[str, object] = {"label": args.label, "package": str(Path(metrale.__file__).parent)}
+    result: dict[str, object] = {
+        "label": args.label,
+        "package": str(Path(metrale.__file__).parent),
+        "dtype": args.dtype,
+        "prompt_len": args.prompt_len,
+    }
     for streams in (1, 16):
-        decode_steps(llm, streams, f"warm{streams}")
+        decode_steps(llm, streams, f"warm{streams}", args.prompt_len)
         medians, lows = [], []
         for r in range(args.rounds):
-            times = sorted(decode_steps(llm, streams, f"r{streams}-{r}"))
+            times = sorted(decode_steps(llm, streams, f"r{streams}-{r}", args.prompt_len))
             medians.append(1e3 * times[len(times) // 2])
             lows.append(1e3 * times[len(times) // 10])
         result[f"{streams}_stream_median_ms"] = statistics.median(medians)

@@ -68,17 +68,18 @@ def checkpoint(path: Path) -> Path:
     return path
 
 
-def add(llm: LLM, streams: int, tag: str) -> None:
+def add(llm: LLM, streams: int, tag: str, prompt_len: int = 128) -> None:
     g = torch.Generator().manual_seed(streams)
     params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
     for i in range(streams):
-        prompt = torch.randint(10, 4000, (128,), generator=g).tolist()
+        prompt = torch.randint(10, 4000, (prompt_len,), generator=g).tolist()
         llm.engine.add_request(EngineRequest(f"{tag}-{i}", prompt, params, 0.0))
 
 
-def decode_steps(llm: LLM, streams: int, tag: str) -> list[float]:
-    """Wall seconds of each step after the prompts are in (decode steps only)."""
-    add(llm, streams, tag)
+def decode_steps(llm: LLM, streams: int, tag: str, prompt_len: int = 128) -> list[float]:
+    """Wall seconds of each step after the prompts are in (decode steps only: the engine's
+    prefill budget must hold all the prompts)."""
+    add(llm, streams, tag, prompt_len)
     llm.engine.step()  # the prefill (16 x 128 tokens fit one step's budget)
     times = []
     while llm.engine.has_unfinished_requests():
