@@ -298,12 +298,14 @@ def shared_prefix(
     token, and a sequence whose table holds them. Device ops only, nothing read back, so a
     CUDA graph captures them and each replay finds the prefix anew."""
     live = seq_lens > 0
-    owner = live.to(torch.int32).argmax()  # the first live row (0 if none)
-    same = (block_tables == block_tables[owner]) | ~live[:, None]
+    owner = live.to(torch.int32).argmax().view(1)  # the first live row (0 if none)
+    # index_select: indexing by a device scalar would read it back (`__index__`), which a
+    # capture forbids.
+    same = (block_tables == block_tables.index_select(0, owner)) | ~live[:, None]
     blocks = same.all(0).to(torch.int32).cumprod(0).sum()
     own_block = torch.where(live, (seq_lens - 1) // block_size, block_tables.shape[1]).min()
     tokens = torch.minimum(blocks, own_block) * block_size
-    return torch.stack([tokens, owner]).to(torch.int32)
+    return torch.cat([tokens.view(1), owner]).to(torch.int32)
 
 
 @dataclass(frozen=True)
