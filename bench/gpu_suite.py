@@ -35,7 +35,6 @@ from hf_reference import left_padded
 from provenance import git_sha
 from workload_floor import Device, ModelCosts, StepTrace, describe, matmul_flops, report
 
-from metrale import envs
 from metrale.engine.core import EngineCore
 from metrale.engine.messages import EngineRequest
 from metrale.engine_args import EngineArgs
@@ -842,7 +841,6 @@ def main() -> None:
         "scheduling": args.scheduler_config,
         "kv_cache_dtype": args.kv_cache_dtype,
         "engine_flags": ENGINE_FLAGS,
-        "cascade_attention": envs.cascade_attention(),
         "transformers": RUN_TRANSFORMERS,
     }
     # Every call records the machine's read bandwidth of the moment (B1's roofline uses it).

@@ -29,13 +29,6 @@ def pdl() -> bool:
     return os.environ.get("METRALE_PDL", "1") != "0"
 
 
-def cascade_attention() -> bool:
-    """Whether decode steps of several rows on a GPU read the blocks all their sequences share
-    once (`kernels.paged_decode_attention`'s cascade): METRALE_CASCADE_ATTENTION=1 turns it on
-    (off until measured on a GPU)."""
-    return os.environ.get("METRALE_CASCADE_ATTENTION", "0") == "1"
-
-
 def onednn() -> bool:
     """Whether linear layers on a CPU run through oneDNN's prepacked weights
     (`layers.linear.prepack_for_cpu`): METRALE_ONEDNN=0 keeps torch's default products."""

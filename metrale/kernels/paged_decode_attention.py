@@ -13,19 +13,11 @@ runtime ints, not constexprs, so a block table of a new width does not compile a
 
 One program serves all query heads that share a kv head (GQA), so each K/V tile is read once
 per group: the group is padded to 16 rows for `tl.dot`, cheap since decode is bound by memory.
-
-Cascade (`shared_prefix`): where every sequence of the step starts with the same blocks (one
-system prompt, a prefix-cache hit shared by a batch, n samples of one prompt), those keys are
-read once for all of them: a third kernel attends every row of the step to the shared prefix,
-tiles of rows from many sequences against one tile of keys, and writes its partials beside the
-splits' (which then start past the prefix), so the reduce combines both. Without it each of N
-rows reads the prefix again: N times its bytes.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -54,7 +46,6 @@ def _paged_decode_split_kernel(
     v_cache_ptr,
     block_tables_ptr,
     seq_lens_ptr,
-    shared_ptr,
     part_max_ptr,
     part_sum_ptr,
     part_acc_ptr,
@@ -67,7 +58,6 @@ def _paged_decode_split_kernel(
     stride_cache_head,
     stride_bt_seq,
     num_splits,
-    num_parts,
     partition_size,
     NUM_HEADS: tl.constexpr,
     GROUP_SIZE: tl.constexpr,
@@ -76,7 +66,6 @@ def _paged_decode_split_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
-    CASCADE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     PDL: tl.constexpr,
@@ -104,8 +93,6 @@ def _paged_decode_split_kernel(
     hi = tl.minimum(lo + partition_size, seq_len)
     if HAS_WINDOW:
         lo = tl.maximum(lo, query_pos - sliding_window + 1)
-    if CASCADE:  # the shared prefix is the prefix kernel's
-        lo = tl.maximum(lo, tl.load(shared_ptr).to(tl.int32))
 
     # A finite start for the running max: masked scores are -inf, and exp(-inf - m) must be 0,
     # never exp(-inf + inf) = nan, while the split has seen no key.
@@ -139,109 +126,11 @@ def _paged_decode_split_kernel(
         K_ROWS=False,
     )
 
-    # Partials: [num_seqs, num_heads, num_parts] and [num_seqs, num_heads, num_parts, HEAD_DIM],
-    # the splits' first, then the shared prefix's.
-    part = (seq * NUM_HEADS + heads) * num_parts + split  # [BLOCK_G]
+    # Partials: [num_seqs, num_heads, num_splits] and [num_seqs, num_heads, num_splits, HEAD_DIM].
+    part = (seq * NUM_HEADS + heads) * num_splits + split  # [BLOCK_G]
     tl.store(part_max_ptr + part, m_i, mask=g_mask)
     tl.store(part_sum_ptr + part, l_i, mask=g_mask)
     tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_mask[:, None])
-
-
-@triton.jit
-def _shared_prefix_kernel(
-    q_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    block_tables_ptr,
-    seq_lens_ptr,
-    shared_ptr,
-    part_max_ptr,
-    part_sum_ptr,
-    part_acc_ptr,
-    scale,
-    stride_q_seq,
-    stride_q_head,
-    stride_cache_block,
-    stride_cache_token,
-    stride_cache_head,
-    stride_bt_seq,
-    num_seqs,
-    num_splits,
-    num_parts,
-    partition_size,
-    NUM_HEADS: tl.constexpr,
-    GROUP_SIZE: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """Partial `num_splits + split` of every (sequence, query head) of kv head `program_id(0)`:
-    its attention to the shared prefix's keys [split * partition_size, ...) up to the prefix's
-    end (`shared_ptr[0]` tokens, found through row `shared_ptr[1]`'s block table, which every
-    sequence shares up to there). A program takes BLOCK_R rows, (sequence, query head) pairs of
-    the group, so a tile of keys is read once for them all; rows of sequences with nothing
-    cached (padding) write neutral partials."""
-    wait_for_previous_kernel(PDL)
-    kv_head = tl.program_id(0)
-    rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
-    split = tl.program_id(2)
-    seq = rows // GROUP_SIZE
-    heads = kv_head * GROUP_SIZE + rows % GROUP_SIZE  # [BLOCK_R]
-    in_batch = seq < num_seqs
-    live = in_batch & (tl.load(seq_lens_ptr + seq, mask=in_batch, other=0) > 0)
-    offs_d = tl.arange(0, HEAD_DIM)
-    q = tl.load(
-        q_ptr + seq[:, None] * stride_q_seq + heads[:, None] * stride_q_head + offs_d[None, :],
-        mask=live[:, None],
-        other=0.0,
-    ).to(DOT_DTYPE)  # [BLOCK_R, HEAD_DIM]
-
-    prefix = tl.load(shared_ptr).to(tl.int32)
-    owner = tl.load(shared_ptr + 1)
-    lo = split * partition_size
-    hi = tl.minimum(lo + partition_size, prefix)
-    m_i = tl.full([BLOCK_R], -1.0e30, dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_R, HEAD_DIM], dtype=tl.float32)
-    # Every row's own token lies past the prefix: each sees every key before `hi`.
-    m_i, l_i, acc = attend_keys(
-        q,
-        tl.full([BLOCK_R], prefix, tl.int32),
-        k_cache_ptr,
-        v_cache_ptr,
-        block_tables_ptr + owner * stride_bt_seq,
-        kv_head,
-        lo,
-        hi,
-        hi,
-        0,
-        scale * LOG2_E,
-        m_i,
-        l_i,
-        acc,
-        stride_cache_block,
-        stride_cache_token,
-        stride_cache_head,
-        HEAD_DIM,
-        BLOCK_N,
-        BLOCK_SIZE,
-        DOT_PRECISION,
-        HAS_WINDOW=False,
-        MASKED=True,
-        K_ROWS=False,
-    )
-    part = (seq * NUM_HEADS + heads) * num_parts + num_splits + split  # [BLOCK_R]
-    tl.store(part_max_ptr + part, tl.where(live, m_i, -1.0e30), mask=in_batch)
-    tl.store(part_sum_ptr + part, tl.where(live, l_i, 0.0), mask=in_batch)
-    tl.store(
-        part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
-        tl.where(live[:, None], acc, 0.0),
-        mask=in_batch[:, None],
-    )
 
 
 @triton.jit
@@ -252,7 +141,7 @@ def _paged_decode_reduce_kernel(
     out_ptr,
     stride_out_seq,
     stride_out_head,
-    num_parts,
+    num_splits,
     NUM_HEADS: tl.constexpr,
     BLOCK_S: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -263,8 +152,8 @@ def _paged_decode_reduce_kernel(
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, HEAD_DIM)
-    s_mask = offs_s < num_parts
-    part = (seq * NUM_HEADS + head) * num_parts + offs_s  # [BLOCK_S]
+    s_mask = offs_s < num_splits
+    part = (seq * NUM_HEADS + head) * num_splits + offs_s  # [BLOCK_S]
 
     m = tl.load(part_max_ptr + part, mask=s_mask, other=float("-inf"))  # [BLOCK_S]
     l_s = tl.load(part_sum_ptr + part, mask=s_mask, other=0.0)
@@ -288,54 +177,6 @@ def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return _NUM_SMS_WITHOUT_GPU
     return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def shared_prefix(
-    block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int
-) -> torch.Tensor:
-    """[2] int32 on the tables' device: how many leading tokens every sequence with a context
-    (seq_lens > 0) shares, in whole blocks of the same ids before the block of its own last
-    token, and a sequence whose table holds them. Device ops only, nothing read back, so a
-    CUDA graph captures them and each replay finds the prefix anew."""
-    live = seq_lens > 0
-    owner = live.to(torch.int32).argmax().view(1)  # the first live row (0 if none)
-    # index_select: indexing by a device scalar would read it back (`__index__`), which a
-    # capture forbids.
-    same = (block_tables == block_tables.index_select(0, owner)) | ~live[:, None]
-    blocks = same.all(0).to(torch.int32).cumprod(0).sum()
-    own_block = torch.where(live, (seq_lens - 1) // block_size, block_tables.shape[1]).min()
-    tokens = torch.minimum(blocks, own_block) * block_size
-    return torch.cat([tokens.view(1), owner]).to(torch.int32)
-
-
-@dataclass(frozen=True)
-class PrefixPlan:
-    """The shared-prefix kernel's launch, from shapes only (a graph replays it for any prefix):
-    tiles of `block_r` (sequence, query head) rows, keys in `num_splits` partitions of
-    `partition_size` over the whole table (those past the prefix run no iterations)."""
-
-    block_r: int
-    row_tiles: int
-    block_n: int
-    partition_size: int
-    num_splits: int
-
-
-def _plan_prefix(
-    rows: int, num_kv_heads: int, max_context_len: int, num_splits: int, q: torch.Tensor
-) -> PrefixPlan:
-    wide = q.dtype == torch.float32
-    block_r = max(16, min(32 if wide else 64, next_power_of_2(rows)))
-    block_n = 32 if wide else 64
-    row_tiles = cdiv(rows, block_r)
-    wanted = cdiv(_PROGRAMS_PER_SM * _num_sms(q.device), num_kv_heads * row_tiles)
-    by_length = cdiv(max_context_len, _MIN_PARTITION_TOKENS)
-    # The reduce holds every partial of a row: the splits' and these together stay near its cap.
-    splits = max(1, min(wanted, by_length, _MAX_SPLITS - num_splits))
-    partition_size = cdiv(cdiv(max_context_len, splits), block_n) * block_n
-    return PrefixPlan(
-        block_r, row_tiles, block_n, partition_size, cdiv(max_context_len, partition_size)
-    )
 
 
 def plan_decode_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, num_sms: int) -> int:
@@ -363,7 +204,6 @@ def paged_decode_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     dot_dtype_override: torch.dtype | None = None,
-    shared_prefix: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of each sequence's last token over its cached context.
 
@@ -374,8 +214,6 @@ def paged_decode_attention(
     num_splits: None picks it from shapes; tests force it to cover multi-split paths.
     max_block_n, num_warps, num_stages, dot_dtype_override: launch overrides for the sweep in
     bench/decode_attention.py.
-    shared_prefix: `shared_prefix(block_tables, seq_lens, block_size)` of these rows (no sliding
-    window): the prefix they share is read once for them all (the module's cascade).
     Returns out: [num_seqs, num_heads, head_dim], dtype of q.
     """
     num_seqs, num_heads, head_dim = q.shape
@@ -412,65 +250,17 @@ def paged_decode_attention(
     group_size = num_heads // num_kv_heads
     pdl = pdl_enabled(q.device)
 
-    dtype_of_dots = dot_dtype(q.dtype, k_cache.dtype, dot_dtype_override)
-    dot_precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    prefix_plan = None
-    if shared_prefix is not None:
-        assert sliding_window is None, "a shared prefix is read once only without a window"
-        assert shared_prefix.shape == (2,) and shared_prefix.device == q.device
-        prefix_plan = _plan_prefix(
-            num_seqs * group_size, num_kv_heads, max_context_len, num_splits, q
-        )
-    num_parts = num_splits + (prefix_plan.num_splits if prefix_plan else 0)
-
-    part_max = torch.empty((num_seqs, num_heads, num_parts), dtype=torch.float32, device=q.device)
+    part_max = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
     part_sum = torch.empty_like(part_max)
     part_acc = torch.empty(
-        (num_seqs, num_heads, num_parts, head_dim), dtype=torch.float32, device=q.device
+        (num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device
     )
-    shared = shared_prefix if shared_prefix is not None else seq_lens  # unread without CASCADE
-    if prefix_plan is not None:
-        _shared_prefix_kernel[(num_kv_heads, prefix_plan.row_tiles, prefix_plan.num_splits)](
-            q,
-            k_cache,
-            v_cache,
-            block_tables,
-            seq_lens,
-            shared,
-            part_max,
-            part_sum,
-            part_acc,
-            scale,
-            q.stride(0),
-            q.stride(1),
-            k_cache.stride(0),
-            k_cache.stride(1),
-            k_cache.stride(2),
-            block_tables.stride(0),
-            num_seqs,
-            num_splits,
-            num_parts,
-            prefix_plan.partition_size,
-            NUM_HEADS=num_heads,
-            GROUP_SIZE=group_size,
-            BLOCK_R=prefix_plan.block_r,
-            HEAD_DIM=head_dim,
-            BLOCK_N=prefix_plan.block_n,
-            BLOCK_SIZE=block_size,
-            DOT_PRECISION=dot_precision,
-            DOT_DTYPE=dtype_of_dots,
-            PDL=pdl,
-            num_warps=4,
-            num_stages=num_stages,
-            launch_pdl=pdl,
-        )
     _paged_decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q,
         k_cache,
         v_cache,
         block_tables,
         seq_lens,
-        shared,
         part_max,
         part_sum,
         part_acc,
@@ -483,7 +273,6 @@ def paged_decode_attention(
         k_cache.stride(2),
         block_tables.stride(0),
         num_splits,
-        num_parts,
         partition_size,
         NUM_HEADS=num_heads,
         GROUP_SIZE=group_size,
@@ -492,9 +281,8 @@ def paged_decode_attention(
         BLOCK_N=block_n,
         BLOCK_SIZE=block_size,
         HAS_WINDOW=sliding_window is not None,
-        CASCADE=prefix_plan is not None,
-        DOT_PRECISION=dot_precision,
-        DOT_DTYPE=dtype_of_dots,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_DTYPE=dot_dtype(q.dtype, k_cache.dtype, dot_dtype_override),
         PDL=pdl,
         num_warps=num_warps,
         num_stages=num_stages,
@@ -507,9 +295,9 @@ def paged_decode_attention(
         out,
         out.stride(0),
         out.stride(1),
-        num_parts,
+        num_splits,
         NUM_HEADS=num_heads,
-        BLOCK_S=next_power_of_2(num_parts),
+        BLOCK_S=next_power_of_2(num_splits),
         HEAD_DIM=head_dim,
         PDL=pdl,
         launch_pdl=pdl,

@@ -14,7 +14,6 @@ from metrale.kernels.paged_decode_attention import (
     paged_decode_attention,
     paged_decode_attention_ref,
     plan_decode_splits,
-    shared_prefix,
 )
 from tests.kernels.paged_cache import make_paged_cache
 
@@ -256,10 +255,8 @@ def test_llama3_8b_shapes_fp32_many_splits(device: torch.device) -> None:
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("cascade", [False, True])
-def test_cuda_graph_replay_with_new_lengths(device: torch.device, cascade: bool) -> None:
-    """Captured once, replayed after seq_lens and block tables change in place. With the
-    cascade, the shared prefix is found inside the graph: each replay reads its own rows'."""
+def test_cuda_graph_replay_with_new_lengths(device: torch.device) -> None:
+    """Captured once, replayed after seq_lens and block tables change in place."""
     torch.manual_seed(3)
     num_heads, num_kv_heads, head_dim, block_size = 32, 8, 128, 16
     max_blocks, num_seqs = 64, 8
@@ -274,10 +271,7 @@ def test_cuda_graph_replay_with_new_lengths(device: torch.device, cascade: bool)
     scale = head_dim**-0.5
 
     def step() -> None:
-        shared = shared_prefix(block_tables, seq_lens, block_size) if cascade else None
-        paged_decode_attention(
-            q, k_cache, v_cache, block_tables, seq_lens, scale, out=out, shared_prefix=shared
-        )
+        paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, out=out)
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -288,14 +282,9 @@ def test_cuda_graph_replay_with_new_lengths(device: torch.device, cascade: bool)
     with torch.cuda.graph(graph):
         step()
 
-    for lens, shared_blocks in (
-        ([0, 1, 100, 1024, 7, 512, 333, 16], 0),
-        ([400, 1023, 512, 777, 0, 999, 401, 640], 20),  # 320 tokens shared
-        ([1023, 1, 1, 50, 64, 65, 900, 0], 3),  # the rows of one token share nothing
-    ):
+    for lens in ([0, 1, 100, 1024, 7, 512, 333, 16], [1023, 1, 1, 50, 64, 65, 900, 0]):
         seq_lens.copy_(torch.tensor(lens, device=device))
         block_tables.copy_(torch.randperm(num_blocks, device=device).view(num_seqs, max_blocks))
-        share_leading_blocks(block_tables, shared_blocks)
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
@@ -303,79 +292,3 @@ def test_cuda_graph_replay_with_new_lengths(device: torch.device, cascade: bool)
         torch.testing.assert_close(
             out.float(), ref.float(), atol=1e-2 * ref.abs().max().item(), rtol=1e-2
         )
-
-
-def share_leading_blocks(block_tables: torch.Tensor, num_blocks: int, rows=None) -> None:
-    """Give `rows` (default: all) the first row's first `num_blocks` block ids, as prefix
-    caching gives sequences that start with the same tokens."""
-    rows = range(1, block_tables.shape[0]) if rows is None else rows
-    for row in rows:
-        block_tables[row, :num_blocks] = block_tables[0, :num_blocks]
-
-
-@pytest.mark.parametrize("cache_dtype", [None, torch.float8_e4m3fn])
-@pytest.mark.parametrize("num_splits", [None, 3])
-@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (6, 2)])
-def test_a_shared_prefix_read_once_matches_the_reference(
-    device: torch.device,
-    num_heads: int,
-    num_kv_heads: int,
-    num_splits: int | None,
-    cache_dtype: torch.dtype | None,
-) -> None:
-    """Cascade: the rows' common blocks attended by the prefix kernel, the rest by the splits,
-    combined by the reduce, against the reference that reads every row's table whole. A padding
-    row (nothing cached) among them stays zero and does not cut the prefix."""
-    seq_lens = [41, 37, 0, 33, 48, 35]
-    block_size, head_dim = 8, 32
-    torch.manual_seed(7)
-    k_cache, v_cache, block_tables = make_paged_cache(
-        seq_lens, block_size, num_kv_heads, head_dim, torch.float32, device, cache_dtype=cache_dtype
-    )
-    share_leading_blocks(block_tables, 4, rows=[1, 3, 4, 5])
-    lens = torch.tensor(seq_lens, device=device)
-    shared = shared_prefix(block_tables, lens, block_size)
-    assert shared.tolist() == [32, 0]  # 4 blocks: every live row's last token lies past them
-    q = torch.randn(len(seq_lens), num_heads, head_dim, device=device)
-    scale = head_dim**-0.5
-    out = torch.full_like(q, float("nan"))
-    paged_decode_attention(
-        q, k_cache, v_cache, block_tables, lens, scale, None, out,
-        num_splits=num_splits, shared_prefix=shared,
-    )  # fmt: skip
-    ref = paged_decode_attention_ref(q, k_cache, v_cache, block_tables, lens, scale)
-    assert not out.isnan().any() and out[2].abs().max() == 0
-    torch.testing.assert_close(out, ref, atol=1e-4 * ref.abs().max().item(), rtol=1e-4)
-
-
-def test_shared_prefix_stops_where_the_rows_part_or_a_row_ends(device: torch.device) -> None:
-    """Whole blocks only, never the block that holds a row's own last token, and only the
-    blocks every live row has the same; none shared reads as 0."""
-    block_size = 4
-    tables = torch.arange(30, device=device).view(3, 10).clone()
-    lens = torch.tensor([30, 30, 30], device=device)
-    assert shared_prefix(tables, lens, block_size).tolist() == [0, 0]
-    tables[1:, :6] = tables[0, :6]
-    assert shared_prefix(tables, lens, block_size).tolist() == [24, 0]
-    tables[2, 3] = 99  # the third row parts after three blocks
-    assert shared_prefix(tables, lens, block_size).tolist() == [12, 0]
-    lens[1] = 9  # its last token is in block 2: blocks 0 and 1 are shared
-    assert shared_prefix(tables, lens, block_size).tolist() == [8, 0]
-    lens[1] = 8  # its last token is in block 1
-    assert shared_prefix(tables, lens, block_size).tolist() == [4, 0]
-    lens[0] = 0  # a padding row: not counted, and the owner is the first live row
-    assert shared_prefix(tables, lens, block_size).tolist() == [4, 1]
-
-
-def test_no_shared_prefix_changes_nothing(device: torch.device) -> None:
-    """Rows that share no block: the prefix kernel writes neutral partials only."""
-    seq_lens = [1, 9, 16, 31, 44]
-    torch.manual_seed(3)
-    k_cache, v_cache, block_tables = make_paged_cache(seq_lens, 8, 2, 32, torch.float32, device)
-    lens = torch.tensor(seq_lens, device=device)
-    q = torch.randn(len(seq_lens), 4, 32, device=device)
-    shared = shared_prefix(block_tables, lens, 8)
-    assert shared[0].item() == 0
-    out = paged_decode_attention(q, k_cache, v_cache, block_tables, lens, 0.2, shared_prefix=shared)
-    plain = paged_decode_attention(q, k_cache, v_cache, block_tables, lens, 0.2)
-    torch.testing.assert_close(out, plain, atol=1e-5, rtol=1e-5)

@@ -58,7 +58,6 @@ def test_mixed_step_attention_matches_the_reference(device, monkeypatch, chunks)
         max_query_len=max(n for _, n in chunks),
         num_decode_seqs=num_decode_seqs,
         sliding_window=None,
-        block_size=BLOCK_SIZE,
     )
     launches = {"decode": 0, "prefill": 0}
 
@@ -85,25 +84,3 @@ def test_mixed_step_attention_matches_the_reference(device, monkeypatch, chunks)
         q, k_cache, v_cache, block_tables, meta.query_start_loc, meta.seq_lens, layer.scale
     )
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
-
-
-def test_the_first_layer_finds_the_shared_prefix_each_time_it_runs(monkeypatch) -> None:
-    """A CUDA graph is captured after a warm-up forward over the same metadata: the layer that
-    found the prefix first must find it again in every later forward (so the capture records
-    the finding, and each replay finds its own rows' prefix); the other layers read it."""
-    from metrale.layers.attention import triton_backend
-
-    calls = []
-
-    def counting(block_tables, seq_lens, block_size):
-        calls.append(seq_lens.tolist())
-        return torch.tensor([len(calls), 0])
-
-    monkeypatch.setattr(triton_backend, "shared_prefix", counting)
-    shared = triton_backend.SharedPrefix()
-    tables, lens = torch.zeros(2, 3, dtype=torch.long), torch.tensor([5, 6])
-    first, second = object(), object()
-    for forward in (1, 2):  # a warm-up forward, then the captured one
-        assert shared.of(first, tables, lens, 4)[0] == forward
-        assert shared.of(second, tables, lens, 4)[0] == forward
-    assert len(calls) == 2

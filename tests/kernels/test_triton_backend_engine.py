@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from metrale import LLM, SamplingParams
-from metrale.layers.attention import triton_backend as backend
 from metrale.layers.linear import Linear
 from tests.conftest import build_checkpoint
 from tests.entrypoints.test_llm_speculation import repeating_model
@@ -96,54 +95,5 @@ def test_speculative_verify_through_the_decode_kernel(tmp_path) -> None:
     for ours, ref in zip(outputs, expected, strict=True):
         a, b = ours.outputs[0], ref.outputs[0]
         assert a.token_ids == b.token_ids == reply
-        for step, token in enumerate(a.token_ids):
-            assert abs(a.logprobs[step][token].logprob - b.logprobs[step][token].logprob) < 1e-4
-
-
-def test_cascade_attention_gives_the_torch_backends_tokens(tmp_path, monkeypatch) -> None:
-    """Prompts that start with the same 48 tokens share those blocks through the prefix cache;
-    with METRALE_CASCADE_ATTENTION=1 their decode steps read the shared blocks once, through the
-    prefix kernel, and give the torch backend's tokens and logprobs."""
-    monkeypatch.setenv("METRALE_CASCADE_ATTENTION", "1")
-    model_dir = build_checkpoint(tmp_path, "llama")
-    g = torch.Generator().manual_seed(5)
-    prefix = torch.randint(10, 4000, (48,), generator=g).tolist()
-    batch = [prefix + torch.randint(10, 4000, (n,), generator=g).tolist() for n in range(3, 12)]
-    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=1)
-    reference = LLM(model_from_path=str(model_dir), dtype="float32", device="cpu")
-    expected = reference.generate(batch, params, use_tqdm=False)
-    llm = LLM(
-        model_from_path=str(model_dir),
-        dtype="float32",
-        device="cpu",
-        attention_backend="triton",
-        enforce_eager=True,
-        enable_prefix_caching=True,
-    )
-    found = []
-
-    def recording(block_tables, seq_lens, block_size):
-        shared = backend_shared_prefix(block_tables, seq_lens, block_size)
-        found.append(shared[0].item())
-        return shared
-
-    backend_shared_prefix = backend.shared_prefix
-    monkeypatch.setattr(backend, "shared_prefix", recording)
-    wide_steps = []  # steps whose decode rows are enough for the cascade
-    build = llm.engine.runner.build_metadata
-
-    def recording_build(step):
-        if step.num_decode_seqs >= backend.CASCADE_MIN_ROWS:
-            wide_steps.append(step.num_decode_seqs)
-        return build(step)
-
-    llm.engine.runner.build_metadata = recording_build
-    outputs = llm.generate(batch, params, use_tqdm=False)
-    # The decode steps of the nine rows found the 48 shared tokens (3 blocks), once a step
-    # (the first layer finds them, the others read them).
-    assert wide_steps and found == [48] * len(wide_steps)
-    for ours, ref in zip(outputs, expected, strict=True):
-        a, b = ours.outputs[0], ref.outputs[0]
-        assert a.token_ids == b.token_ids
         for step, token in enumerate(a.token_ids):
             assert abs(a.logprobs[step][token].logprob - b.logprobs[step][token].logprob) < 1e-4

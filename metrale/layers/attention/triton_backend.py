@@ -6,40 +6,15 @@ decode step can be captured in a CUDA graph and replayed with new contents in th
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from metrale import envs
 from metrale.kernels.kv_store import store_kv
-from metrale.kernels.paged_decode_attention import paged_decode_attention, shared_prefix
+from metrale.kernels.paged_decode_attention import paged_decode_attention
 from metrale.kernels.paged_prefill_attention import paged_prefill_attention
 from metrale.layers.attention import Attention, Rotary, StepBatch
 from metrale.layers.rotary import FusedRotary
-
-# Fewer decode rows than this read their shared prefix as they always did: the prefix kernel's
-# launch costs more than the repeated reads it saves.
-CASCADE_MIN_ROWS = 8
-
-
-class SharedPrefix:
-    """A step's shared prefix (`shared_prefix` of its decode rows), found by the first layer that
-    attends and read by the others. That layer finds it again every time it runs, so a CUDA
-    graph captured after a warm-up forward with the same metadata captures the finding too, and
-    every replay finds the prefix of its own rows."""
-
-    def __init__(self) -> None:
-        self._first: object | None = None
-        self._tokens: torch.Tensor | None = None
-
-    def of(
-        self, layer: object, block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int
-    ) -> torch.Tensor:
-        if self._first is None:
-            self._first = layer
-        if layer is self._first or self._tokens is None:
-            self._tokens = shared_prefix(block_tables, seq_lens, block_size)
-        return self._tokens
 
 
 @dataclass(frozen=True)
@@ -51,18 +26,9 @@ class TritonAttentionMetadata:
     max_query_len: int
     num_decode_seqs: int  # the leading sequences of one query row each
     sliding_window: int | None
-    block_size: int
-    # The decode rows' shared prefix, read once for them all (`envs.cascade_attention`); None
-    # where they attend as they always did.
-    shared: SharedPrefix | None = field(default=None, compare=False)
 
     @classmethod
     def build(cls, batch: StepBatch) -> TritonAttentionMetadata:
-        cascade = (
-            envs.cascade_attention()
-            and batch.num_decode_seqs >= CASCADE_MIN_ROWS
-            and batch.sliding_window is None
-        )
         return cls(
             batch.slot_mapping,
             batch.block_tables,
@@ -71,8 +37,6 @@ class TritonAttentionMetadata:
             batch.max_query_len,
             batch.num_decode_seqs,
             batch.sliding_window,
-            batch.block_size,
-            SharedPrefix() if cascade else None,
         )
 
     def attend(
@@ -115,9 +79,6 @@ class TritonAttentionMetadata:
         seq_lens: torch.Tensor,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        shared = None
-        if self.shared is not None:
-            shared = self.shared.of(layer, block_tables, seq_lens, self.block_size)
         return paged_decode_attention(
             q,
             layer.k_cache,
@@ -127,5 +88,4 @@ class TritonAttentionMetadata:
             layer.scale,
             self.sliding_window,
             out,
-            shared_prefix=shared,
         )
