@@ -105,12 +105,13 @@ void attend_rows(const at::Tensor& qc, const at::Tensor& k_cache, const at::Tens
   const int64_t* bt = tables.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
   const int64_t slot_stride = kv_heads * d;  // values from one slot to the next
+  const int64_t block_values = block_size * slot_stride;  // and from one block to the next
   // A task is a row. Each of its blocks is read front to back, keys then values (a slot's heads
   // lie side by side): the order the memory's prefetchers follow. Reading one KV head at a time
   // strode through the blocks and took 2x the gather + SDPA's time in a real step. The blocks lie
   // wherever the pool had room, which no prefetcher guesses, so the next block's keys and values
-  // are asked for as a block begins: decode steps over 1,536-token contexts took 10-25% less
-  // (bench/cpu_step_ab.py --prompt-len 1536), those over short ones the same.
+  // are asked for as a block begins: 16-row decode steps over 1,536-token contexts took 10-22%
+  // less, over 128-token prompts 0-10% less (bench/cpu_step_ab.py --prompt-len).
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(heads * d), weight(heads * block_size), best(heads), total(heads),
         query(heads * d);
@@ -127,13 +128,13 @@ void attend_rows(const at::Tensor& qc, const at::Tensor& k_cache, const at::Tens
         TORCH_CHECK(block >= 0 && block < num_blocks, "block ", block, " is not in the pool");
         const int64_t lo = std::max(start, b * block_size) - b * block_size;
         const int64_t hi = std::min(stop, (b + 1) * block_size) - b * block_size;
-        const T* kb = kp + block * block_size * slot_stride;
-        const T* vb = vp + block * block_size * slot_stride;
+        const T* kb = kp + block * block_values;
+        const T* vb = vp + block * block_values;
         if ((b + 1) * block_size < stop) {
           const int64_t next = bt[i * max_blocks + b + 1];
           if (next >= 0 && next < num_blocks) {  // checked again when it is read
-            prefetch(kp + next * block_size * slot_stride, block_size * slot_stride);
-            prefetch(vp + next * block_size * slot_stride, block_size * slot_stride);
+            prefetch(kp + next * block_values, block_values);
+            prefetch(vp + next * block_values, block_values);
           }
         }
         for (int64_t t = lo; t < hi; ++t) {
