@@ -557,13 +557,15 @@ B2_MODELS = {"qwen3_0.6b": QWEN3_06B, "llama_8b": LLAMA_8B}
 
 def b2_workload(**knobs) -> tuple[list[list[int]], list[int], list[SamplingParams]]:
     """B2's 256 prompts (seed 0), their output lengths, and their sampling (temperature 0.6,
-    seeded; `knobs` added to every request's)."""
+    request i seeded with i; `knobs` added to every request's, or replacing: `seed=None`)."""
     g = torch.Generator().manual_seed(0)
     lens_in = torch.randint(100, 1025, (256,), generator=g).tolist()
     lens_out = torch.randint(100, 1025, (256,), generator=g).tolist()
     prompts = [torch.randint(0, 10000, (n,), generator=g).tolist() for n in lens_in]
     params = [
-        SamplingParams(temperature=0.6, max_tokens=n, ignore_eos=True, seed=i, **knobs)
+        SamplingParams(
+            **{"temperature": 0.6, "max_tokens": n, "ignore_eos": True, "seed": i} | knobs
+        )
         for i, n in enumerate(lens_out)
     ]
     return prompts, lens_out, params

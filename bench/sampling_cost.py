@@ -25,6 +25,7 @@ from metrale.sampling_params import DryBreakers, SamplingParams
 DRY = {"dry_multiplier": 0.8, "dry_breakers": DryBreakers(single=tuple(range(0, 151_936, 40)))}
 VARIANTS = {
     "none": {},
+    "unseeded": {"seed": None},
     "top_n_sigma": {"top_n_sigma": 1.0},
     "dry": DRY,
     "dry_no_breakers": {"dry_multiplier": 0.8},

@@ -13,6 +13,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from metrale.runner.random_draws import NUM_DRAWS
+
 
 def to_device(values: np.ndarray | list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A step's small, variable-sized host values on the device without waiting for it: staged
@@ -66,3 +68,4 @@ class InputBuffers:
         self.top_k = InputBuffer((max_num_tokens,), torch.int64, device)
         self.top_p = InputBuffer((max_num_tokens,), torch.float32, device)
         self.min_p = InputBuffer((max_num_tokens,), torch.float32, device)
+        self.draws = InputBuffer((max_num_tokens, NUM_DRAWS), torch.float64, device)

@@ -4,10 +4,11 @@ One pass serves a whole batch of mixed requests. In vLLM's order: logprobs are r
 logits; then banned tokens (min_tokens), logit bias and the repetition, frequency and presence
 penalties reshape the logits, so they steer greedy rows too; then greedy rows take the argmax and
 the others go through llama.cpp's top-nσ, typical and XTC where they ask for them
-(`truncation.py`), then temperature, top-k, top-p and min-p and draw by the exponential race
-(argmax of p / q with q ~ Exp(1), the same distribution as sampling from p). A seeded request
-draws its noise from its own generator, so its tokens depend on its seed alone, whatever else
-shares the batch. Nothing here syncs with the host.
+(`truncation.py`), then temperature, top-k, top-p and min-p, and draw by the inverse CDF
+(`inverse_cdf.py`) with each row's uniform draw, made on the host before the step
+(`random_draws.py`: a seeded request's from its seed and position alone, so its tokens do not
+depend on what else shares the batch). Nothing here syncs with the host, and no random numbers
+are made on the device.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from metrale.runner.inverse_cdf import inverse_cdf
+from metrale.runner.random_draws import DRAFT, TOKEN
 from metrale.runner.repeat_penalties import RepeatPenalties, apply_repeat_penalties
 from metrale.runner.truncation import Truncation, truncate
 
@@ -36,7 +39,6 @@ class Drafts:
 
     rows: torch.Tensor  # [num_draft_rows] int64, rows of the batch
     token_ids: torch.Tensor  # [num_draft_rows] int64
-    host_rows: tuple[int, ...]  # the same rows, on the host (for the seeded rows' draws)
 
 
 @dataclass(frozen=True)
@@ -48,7 +50,7 @@ class SamplingMetadata:
     all_greedy: bool
     any_top_k_or_p: bool
     any_min_p: bool
-    generators: dict[int, torch.Generator]  # row -> generator of a seeded request
+    draws: torch.Tensor  # [num_rows, NUM_DRAWS] fp64 in [0, 1) (`random_draws.py`'s columns)
     banned: list[tuple[int, tuple[int, ...]]]  # (row, token ids) masked this step (min_tokens)
     max_num_logprobs: int | None  # largest top-N asked in the batch; None: no logprobs
     logit_bias: LogitBias | None = None  # None: no row has a logit bias
@@ -82,7 +84,7 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
     else:
         is_greedy = meta.temperature == 0
         if meta.truncation is not None:  # at temperature 1, as llama.cpp's chain has them
-            logits = truncate(logits, meta.truncation, meta.generators)
+            logits = truncate(logits, meta.truncation, meta.draws)
         temperature = torch.where(is_greedy, 1.0, meta.temperature)
         logits = logits / temperature.unsqueeze(1)
         if meta.any_top_k_or_p:
@@ -91,12 +93,9 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         if meta.any_min_p:
             threshold = meta.min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
             probs = probs.masked_fill(probs < threshold, 0.0)
-        noise = torch.empty_like(probs).exponential_()
-        for row, generator in meta.generators.items():
-            noise[row].exponential_(generator=generator)
-        sampled_ids = (probs / noise).argmax(dim=-1)
+        sampled_ids = inverse_cdf(probs, meta.draws[:, TOKEN])
         if meta.drafts is not None:
-            sampled_ids = _check_drafts(probs, noise, sampled_ids, meta.drafts, meta.generators)
+            sampled_ids = _check_drafts(probs, sampled_ids, meta.drafts, meta.draws)
         token_ids = torch.where(is_greedy, greedy_ids, sampled_ids)
 
     if raw_logprobs is None:
@@ -108,11 +107,7 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
 
 
 def _check_drafts(
-    probs: torch.Tensor,
-    noise: torch.Tensor,
-    sampled_ids: torch.Tensor,
-    drafts: Drafts,
-    generators: dict[int, torch.Generator],
+    probs: torch.Tensor, sampled_ids: torch.Tensor, drafts: Drafts, draws: torch.Tensor
 ) -> torch.Tensor:
     """Rejection sampling of drafts that came with no distribution (prompt lookup: a point
     mass): a row keeps its draft with the probability its target distribution gives the draft,
@@ -124,15 +119,12 @@ def _check_drafts(
     rows, draft_ids = drafts.rows, drafts.token_ids
     p = probs.index_select(0, rows)  # [num_draft_rows, vocab_size]
     p_draft = p.gather(1, draft_ids.unsqueeze(1)).squeeze(1)
-    draws = torch.rand(rows.shape[0], device=probs.device)
-    if generators:
-        for i, row in enumerate(drafts.host_rows):
-            if (generator := generators.get(row)) is not None:
-                draws[i] = torch.rand(1, generator=generator, device=probs.device)[0]
-    kept = draws * p.sum(dim=-1) < p_draft
-    # The exponential race over every token but the draft: a sample of the rest.
+    row_draws = draws.index_select(0, rows)
+    kept = row_draws[:, DRAFT] * p.sum(dim=-1) < p_draft
+    # The row's own token draw over every token but the draft: a sample of the rest (the
+    # row's sample from all of p, drawn with it, is replaced either way).
     without = p.scatter(1, draft_ids.unsqueeze(1), 0.0)
-    replaced = (without / noise.index_select(0, rows)).argmax(dim=-1)
+    replaced = inverse_cdf(without, row_draws[:, TOKEN])
     return sampled_ids.index_copy(0, rows, torch.where(kept, draft_ids, replaced))
 
 

@@ -14,6 +14,7 @@ import torch
 
 from metrale.engine.step import ScheduledChunk
 from metrale.runner.input_buffers import InputBuffers, to_device
+from metrale.runner.random_draws import RandomDraws
 from metrale.runner.repeat_history import RepeatHistory
 from metrale.runner.repeat_penalties import RepeatPenalties
 from metrale.runner.sampler import Drafts, LogitBias, SamplingMetadata
@@ -24,7 +25,7 @@ from metrale.sampling_params import SamplingParams
 
 class SamplingInputs:
     """The sampler's inputs for each step, and the per-request state they read across steps:
-    each seeded request's generator, the penalised requests' histories on the device
+    the penalised requests' histories on the device
     (`repeat_history`, made for the first request that reads one) and the grammar matchers
     (`structured_outputs`). A request's state lives until `drop`, when it finishes.
 
@@ -45,11 +46,10 @@ class SamplingInputs:
         self.device = device
         self.structured_outputs = structured_outputs
         self.repeat_history: RepeatHistory | None = None  # made for the first DRY or LZ request
-        self._generators: dict[str, torch.Generator] = {}
+        self.random_draws = RandomDraws()
 
     def drop(self, request_id: str) -> None:
-        """Free a finished request's generator, history slot and grammar matcher."""
-        self._generators.pop(request_id, None)
+        """Free a finished request's history slot and grammar matcher."""
         if self.repeat_history is not None:
             self.repeat_history.free(request_id)
         if self.structured_outputs is not None:
@@ -61,13 +61,19 @@ class SamplingInputs:
         """The sampler's inputs for the step's sampling chunks, and where each chunk's rows
         start (with one past the last row at the end) when some chunk has drafts, else None
         (one row per chunk)."""
-        rows, drafts, first_rows = chunks, None, None
+        rows, drafts, first_rows, positions = chunks, None, None, None
         if has_drafts:
             # A chunk with drafts samples at each of their positions too: one row each.
             rows = [c for c in chunks for _ in range(1 + len(c.draft_token_ids))]
             first_rows = np.cumsum([0] + [1 + len(c.draft_token_ids) for c in chunks])
             drafts = self.drafts(chunks, first_rows)
-        return self.metadata(rows, drafts, self.grammar(chunks, first_rows)), first_rows
+            positions = [
+                c.start_pos + c.num_tokens - len(c.draft_token_ids) + j
+                for c in chunks
+                for j in range(1 + len(c.draft_token_ids))
+            ]
+        grammar = self.grammar(chunks, first_rows)
+        return self.metadata(rows, drafts, grammar, positions), first_rows
 
     def record(self, metadata: SamplingMetadata, token_ids: torch.Tensor) -> None:
         """Append a step's samples to the penalised rows' histories, on the device."""
@@ -79,8 +85,10 @@ class SamplingInputs:
         chunks: list[ScheduledChunk],
         drafts: Drafts | None = None,
         grammar: dict | None = None,
+        positions: list[int] | None = None,
     ) -> SamplingMetadata:
-        """The sampler's inputs for one row per chunk in `chunks`."""
+        """The sampler's inputs for one row per chunk in `chunks`, each sampling the token at
+        its position in `positions` (None: the one after the chunk)."""
         params = [c.sampling_params for c in chunks]
         vocab_size = self.vocab_size
         b = self.buffers
@@ -89,11 +97,11 @@ class SamplingInputs:
         b.top_k.np[:n] = [p.top_k or vocab_size for p in params]
         b.top_p.np[:n] = [p.top_p for p in params]
         b.min_p.np[:n] = [p.min_p for p in params]
-        generators = {}
-        for row, chunk in enumerate(chunks):
-            seed = chunk.sampling_params.seed
-            if seed is not None and not chunk.sampling_params.greedy:
-                generators[row] = self._generator(chunk.request_id, seed)
+        if positions is None:
+            positions = [c.start_pos + len(c.token_ids) for c in chunks]
+        self.random_draws.fill(
+            b.draws.np, [None if p.greedy else p.seed for p in params], positions
+        )
         logprobs = [p.logprobs for p in params if p.logprobs is not None]
         return SamplingMetadata(
             temperature=b.temperature.copy_to_device(n),
@@ -103,7 +111,7 @@ class SamplingInputs:
             all_greedy=all(p.greedy for p in params),
             any_top_k_or_p=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
             any_min_p=any(p.min_p > 0 for p in params),
-            generators=generators,
+            draws=b.draws.copy_to_device(n),
             banned=[
                 (row, c.banned_token_ids) for row, c in enumerate(chunks) if c.banned_token_ids
             ],
@@ -131,9 +139,7 @@ class SamplingInputs:
                 token_ids += drafts
         if not rows:
             return None
-        return Drafts(
-            self._tensor(rows, torch.int64), self._tensor(token_ids, torch.int64), tuple(rows)
-        )
+        return Drafts(self._tensor(rows, torch.int64), self._tensor(token_ids, torch.int64))
 
     def grammar(self, chunks: list[ScheduledChunk], first_rows: np.ndarray | None) -> dict:
         """The grammar bitmask of the constrained chunks' rows (a chunk's rows start at
@@ -165,7 +171,6 @@ class SamplingInputs:
         used = [params[row] for row in rows]
         return Truncation(
             rows=self._tensor(rows, torch.int64),
-            host_rows=tuple(rows),
             top_n_sigma=self._tensor([p.top_n_sigma for p in used], torch.float32),
             typical_p=self._tensor([p.typical_p for p in used], torch.float32),
             xtc_threshold=self._tensor([p.xtc_threshold for p in used], torch.float32),
@@ -198,13 +203,6 @@ class SamplingInputs:
             token_ids=self._tensor(token_ids, torch.int64),
             values=self._tensor(values, torch.float32),
         )
-
-    def _generator(self, request_id: str, seed: int) -> torch.Generator:
-        generator = self._generators.get(request_id)
-        if generator is None:
-            generator = torch.Generator(device=self.device).manual_seed(seed)
-            self._generators[request_id] = generator
-        return generator
 
     def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         return to_device(values, dtype, self.device)

@@ -17,7 +17,7 @@ that use one of them are gathered and written back; the others are never touched
   `|-log q - H|`, and the smallest prefix of that ranking whose mass exceeds p is kept (the
   token that crosses p included).
 - XTC (probability > 0, threshold <= 0.5): with chance `probability` a step (one uniform draw
-  per row, from the request's own generator when it is seeded), of the tokens whose softmax
+  per row, the row's XTC draw from `random_draws.py`), of the tokens whose softmax
   probability is at least `threshold`, all but the least probable are masked, if there are two
   or more.
 """
@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from metrale.runner.random_draws import XTC
+
 XTC_MAX_THRESHOLD = 0.5  # above it llama.cpp's XTC does nothing (no two tokens can exceed it)
 
 
@@ -36,7 +38,6 @@ class Truncation:
     """The sampled rows of a batch that use any of the three; each value off where unused."""
 
     rows: torch.Tensor  # [k] int64, rows of the batch
-    host_rows: tuple[int, ...]  # the same, on the host (for the seeded rows' draws)
     top_n_sigma: torch.Tensor  # [k] fp32; <= 0: off
     typical_p: torch.Tensor  # [k] fp32; 1: off
     xtc_threshold: torch.Tensor  # [k] fp32
@@ -46,10 +47,9 @@ class Truncation:
     any_xtc: bool
 
 
-def truncate(
-    logits: torch.Tensor, t: Truncation, generators: dict[int, torch.Generator]
-) -> torch.Tensor:
-    """`logits` with the truncated tokens of `t`'s rows at -inf (the others as they were)."""
+def truncate(logits: torch.Tensor, t: Truncation, draws: torch.Tensor) -> torch.Tensor:
+    """`logits` with the truncated tokens of `t`'s rows at -inf (the others as they were);
+    `draws` the batch's (`SamplingMetadata.draws`)."""
     # logits: [num_rows, vocab_size] fp32
     sub = logits.index_select(0, t.rows)
     if t.any_top_n_sigma:
@@ -57,7 +57,7 @@ def truncate(
     if t.any_typical:
         sub = _typical(sub, t.typical_p)
     if t.any_xtc:
-        sub = _xtc(sub, t, generators)
+        sub = _xtc(sub, t, draws.index_select(0, t.rows)[:, XTC])
     return logits.index_copy(0, t.rows, sub)
 
 
@@ -87,14 +87,7 @@ def _typical(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(on & dropped, float("-inf"))
 
 
-def _xtc(
-    logits: torch.Tensor, t: Truncation, generators: dict[int, torch.Generator]
-) -> torch.Tensor:
-    draws = torch.rand(logits.shape[0], device=logits.device)
-    if generators:
-        for i, row in enumerate(t.host_rows):
-            if (generator := generators.get(row)) is not None:
-                draws[i] = torch.rand(1, generator=generator, device=logits.device)[0]
+def _xtc(logits: torch.Tensor, t: Truncation, draws: torch.Tensor) -> torch.Tensor:
     q = torch.softmax(logits, dim=-1)
     above = q >= t.xtc_threshold.unsqueeze(1)
     keep = torch.where(above, q, float("inf")).argmin(dim=-1, keepdim=True)  # least probable

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+import numpy as np
 import pytest
 import torch
 
+from metrale.runner.inverse_cdf import inverse_cdf_torch
+from metrale.runner.random_draws import NUM_DRAWS, TOKEN, RandomDraws, seeded_draws
 from metrale.runner.sampler import SamplingMetadata, _apply_top_k_top_p, sample
 
 
@@ -15,11 +20,12 @@ def make_meta(
     top_k: list[int] | None = None,
     top_p: list[float] | None = None,
     min_p: list[float] | None = None,
-    generators: dict[int, torch.Generator] | None = None,
+    draws: torch.Tensor | None = None,
     banned: list[tuple[int, tuple[int, ...]]] | None = None,
     max_num_logprobs: int | None = None,
 ) -> SamplingMetadata:
-    """Metadata as the model runner builds it: top_k 0 means disabled (the vocab size)."""
+    """Metadata as the model runner builds it: top_k 0 means disabled (the vocab size); the
+    draws uniform from torch's generator unless given."""
     num_rows = len(temperature)
     top_k = top_k or [0] * num_rows
     top_p = top_p or [1.0] * num_rows
@@ -32,10 +38,15 @@ def make_meta(
         all_greedy=all(t == 0 for t in temperature),
         any_top_k_or_p=any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p),
         any_min_p=any(p > 0 for p in min_p),
-        generators=generators or {},
+        draws=torch.rand(num_rows, NUM_DRAWS, dtype=torch.float64) if draws is None else draws,
         banned=banned or [],
         max_num_logprobs=max_num_logprobs,
     )
+
+
+def redraw(meta: SamplingMetadata) -> SamplingMetadata:
+    """The same metadata with fresh draws (the next step's, for the same rows)."""
+    return dataclasses.replace(meta, draws=torch.rand_like(meta.draws))
 
 
 def seeded(seed: int) -> torch.Generator:
@@ -81,7 +92,7 @@ def test_greedy_rows_take_argmax_in_a_batch_mixed_with_random_rows():
     argmax = logits.argmax(dim=-1)
     for trial in range(20):
         torch.manual_seed(trial)
-        out = sample(logits.clone(), meta)
+        out = sample(logits.clone(), redraw(meta))
         for row in (0, 2, 4):
             assert out.token_ids[row] == argmax[row]
     assert out.logprobs is None and out.ranks is None and out.top_ids is None
@@ -101,7 +112,7 @@ def test_top_k_one_always_takes_argmax():
     meta = make_meta([1.5] * 8, 40, top_k=[1] * 8)
     for trial in range(30):
         torch.manual_seed(100 + trial)
-        assert torch.equal(sample(logits.clone(), meta).token_ids, logits.argmax(dim=-1))
+        assert torch.equal(sample(logits.clone(), redraw(meta)).token_ids, logits.argmax(dim=-1))
 
 
 # --- top-k, top-p, min-p -----------------------------------------------------------------------
@@ -167,8 +178,8 @@ def test_min_p_drops_tokens_below_min_p_times_the_max_prob():
     logits = probs.log()
     num_draws = 20_000
     # Threshold 0.15 * 0.5 = 0.075: tokens 3 and 4 go; the rest keep their relative odds.
-    meta = make_meta([1.0] * num_draws, 5, min_p=[0.15] * num_draws)
     torch.manual_seed(7)
+    meta = make_meta([1.0] * num_draws, 5, min_p=[0.15] * num_draws)
     out = sample(logits.expand(num_draws, 5).clone(), meta)
     freq = empirical(out.token_ids, 5)
     assert freq[3] == 0 and freq[4] == 0
@@ -184,8 +195,8 @@ def test_min_p_threshold_uses_the_tempered_distribution():
     tempered = torch.softmax(logits / 2, dim=-1)
     assert tempered[3] > 0.3 * tempered[0] > tempered[4]
     num_draws = 5_000
-    meta = make_meta([2.0] * num_draws, 5, min_p=[0.3] * num_draws)
     torch.manual_seed(8)
+    meta = make_meta([2.0] * num_draws, 5, min_p=[0.3] * num_draws)
     sampled = set(sample(logits.expand(num_draws, 5).clone(), meta).token_ids.tolist())
     assert sampled == {0, 1, 2, 3}
 
@@ -202,7 +213,7 @@ def test_banned_tokens_are_never_sampled_even_as_the_argmax():
     num_unbanned_top = 0
     for trial in range(50):
         torch.manual_seed(trial)
-        out = sample(logits.clone(), meta)
+        out = sample(logits.clone(), redraw(meta))
         assert out.token_ids[0] == 1, "greedy row falls back to the next best token"
         assert out.token_ids[1] != 3
         assert out.token_ids[2] not in (1, 3)
@@ -220,8 +231,8 @@ def test_banned_tokens_are_never_sampled_even_as_the_argmax():
 def test_samples_follow_softmax_of_tempered_logits(temperature: float):
     logits = torch.tensor([1.0, 0.2, -0.5, 2.0, 0.0])
     num_draws = 20_000
-    meta = make_meta([temperature] * num_draws, 5)
     torch.manual_seed(9)
+    meta = make_meta([temperature] * num_draws, 5)
     out = sample(logits.expand(num_draws, 5).clone(), meta)
     freq = empirical(out.token_ids, 5)
     expected = torch.softmax(logits.double() / temperature, dim=-1)
@@ -234,8 +245,8 @@ def test_samples_follow_softmax_of_tempered_logits(temperature: float):
 def test_samples_after_top_k_follow_the_renormalised_kept_distribution():
     logits = torch.tensor([1.0, 0.2, -0.5, 2.0, 0.0, 0.1])
     num_draws = 20_000
-    meta = make_meta([1.0] * num_draws, 6, top_k=[3] * num_draws)
     torch.manual_seed(10)
+    meta = make_meta([1.0] * num_draws, 6, top_k=[3] * num_draws)
     freq = empirical(sample(logits.expand(num_draws, 6).clone(), meta).token_ids, 6)
     kept = [3, 0, 1]
     expected = torch.zeros(6, dtype=torch.float64)
@@ -247,48 +258,96 @@ def test_samples_after_top_k_follow_the_renormalised_kept_distribution():
 # --- seeded rows -------------------------------------------------------------------------------
 
 
-def draw_seeded(
-    row_logits: torch.Tensor, seed: int, row: int, num_rows: int, others_seed: int | None
+def seeded_steps(
+    row_logits: torch.Tensor, seed: int, row: int, seeds: list[int | None], start: int = 40
 ) -> list[int]:
-    """Ten steps of one seeded request placed at `row` of a batch of random other rows."""
+    """Ten steps of one seeded request placed at `row` of a batch of random other rows (seeded
+    with `seeds`, None: unseeded), sampling positions `start`, `start + 1`, ..."""
     vocab_size = row_logits.numel()
-    generator = seeded(seed)
-    others = (
-        {r: seeded(others_seed + r) for r in range(num_rows) if r != row} if others_seed else {}
-    )
+    num_rows = len(seeds)
+    batch_seeds = [*seeds[:row], seed, *seeds[row + 1 :]]
+    draws = RandomDraws()
     tokens = []
     for step in range(10):
-        torch.manual_seed(1000 * num_rows + step)  # the unseeded rows' noise changes with it
         logits = torch.randn(num_rows, vocab_size)
         logits[row] = row_logits
-        meta = make_meta([1.0] * num_rows, vocab_size, generators={row: generator, **others})
+        out = np.zeros((num_rows, NUM_DRAWS))
+        positions = [start + step if r == row else 3 * r + step for r in range(num_rows)]
+        draws.fill(out, batch_seeds, positions)
+        meta = make_meta([1.0] * num_rows, vocab_size, draws=torch.from_numpy(out))
         tokens.append(sample(logits, meta).token_ids[row].item())
     return tokens
 
 
-def test_seeded_row_depends_on_its_seed_alone():
+def test_seeded_row_depends_on_its_seed_and_position_alone():
     torch.manual_seed(11)
     row_logits = torch.randn(100) * 0.1  # near flat: ten draws make a distinctive sequence
-    alone = draw_seeded(row_logits, seed=42, row=0, num_rows=1, others_seed=None)
-    assert draw_seeded(row_logits, seed=42, row=2, num_rows=5, others_seed=None) == alone
-    assert draw_seeded(row_logits, seed=42, row=1, num_rows=3, others_seed=7) == alone
-    assert draw_seeded(row_logits, seed=42, row=6, num_rows=7, others_seed=42) == alone
-    assert draw_seeded(row_logits, seed=43, row=0, num_rows=1, others_seed=None) != alone
-    assert len(set(alone)) > 1, "the generator advances between steps"
+    alone = seeded_steps(row_logits, seed=42, row=0, seeds=[None])
+    assert seeded_steps(row_logits, seed=42, row=2, seeds=[None] * 5) == alone
+    assert seeded_steps(row_logits, seed=42, row=1, seeds=[7, None, 8]) == alone
+    assert seeded_steps(row_logits, seed=42, row=6, seeds=[42] * 7) == alone
+    assert seeded_steps(row_logits, seed=43, row=0, seeds=[None]) != alone
+    assert seeded_steps(row_logits, seed=42, row=0, seeds=[None], start=41) != alone
+    assert len(set(alone)) > 1, "the draws change from position to position"
 
 
 def test_same_seed_in_two_rows_of_one_batch_draws_the_same_tokens():
     torch.manual_seed(12)
     row_logits = torch.randn(100) * 0.1
     logits = row_logits.expand(3, 100).clone()
-    meta = make_meta([1.0] * 3, 100, generators={0: seeded(5), 1: seeded(5), 2: seeded(6)})
     firsts, thirds = [], []
-    for _ in range(10):
-        out = sample(logits.clone(), meta)
+    for position in range(10):
+        draws = np.zeros((3, NUM_DRAWS))
+        RandomDraws().fill(draws, [5, 5, 6], [position] * 3)
+        out = sample(logits.clone(), make_meta([1.0] * 3, 100, draws=torch.from_numpy(draws)))
         assert out.token_ids[0] == out.token_ids[1]
         firsts.append(out.token_ids[0].item())
         thirds.append(out.token_ids[2].item())
     assert firsts != thirds
+
+
+def test_seeded_draws_are_uniform_and_independent():
+    """Over 1M (seed, position) pairs, small seeds of both signs (what users pass) at
+    consecutive positions: each column's deciles hold a tenth each, and neither the columns nor
+    neighbouring positions nor neighbouring seeds correlate."""
+    seeds = np.repeat(np.arange(-100, 100), 5000).tolist()
+    positions = np.tile(np.arange(5000), 200).tolist()
+    draws = seeded_draws(seeds, positions)
+    assert draws.shape == (1_000_000, NUM_DRAWS)
+    assert ((draws >= 0) & (draws < 1)).all()
+    for column in draws.T:
+        counts = np.histogram(column, bins=10, range=(0, 1))[0]
+        chi2 = (((counts - 100_000) ** 2) / 100_000).sum()
+        assert chi2 < 33.7  # p = 0.0001 at 9 degrees of freedom
+    corr = np.corrcoef(draws.T)
+    assert np.abs(corr - np.eye(NUM_DRAWS)).max() < 0.005
+    grid = draws[:, TOKEN].reshape(200, 5000)  # [seed, position]
+    assert abs(np.corrcoef(grid[:, :-1].ravel(), grid[:, 1:].ravel())[0, 1]) < 0.005
+    assert abs(np.corrcoef(grid[:-1].ravel(), grid[1:].ravel())[0, 1]) < 0.005
+
+
+def test_unseeded_rows_draw_afresh_each_fill():
+    draws, a, b = RandomDraws(), np.zeros((4, NUM_DRAWS)), np.zeros((4, NUM_DRAWS))
+    draws.fill(a, [None, 3, None, None], [10] * 4)
+    draws.fill(b, [None, 3, None, None], [10] * 4)
+    assert (a[[0, 2, 3]] != b[[0, 2, 3]]).all()
+    assert (a[1] == b[1]).all() and (a[1] == seeded_draws([3], [10])[0]).all()
+
+
+def test_inverse_cdf_never_draws_a_zero_probability_token():
+    """At the ends of [0, 1) and everywhere between, over rows whose mass sits at either end
+    of the vocabulary or between runs of zeros."""
+    probs = torch.zeros(5, 50)
+    probs[0, 0] = 1.0
+    probs[1, -1] = 1.0
+    probs[2, 10:40:3] = 0.1
+    probs[3, [5, 6]] = torch.tensor([1e-3, 0.5])
+    probs[4, 7] = 2.0**-45  # below the fixed point's unit: as good as zero, but not every token
+    probs[4, 9] = 0.25
+    for u in [0.0, 1e-9, 0.3, 0.5, 0.999, 1.0 - 2.0**-53]:
+        ids = inverse_cdf_torch(probs, torch.full((5,), u, dtype=torch.float64))
+        assert ids[0] == 0 and ids[1] == 49 and ids[4] == 9
+        assert probs[2, ids[2]] > 0 and probs[3, ids[3]] > 0
 
 
 # --- logprobs ----------------------------------------------------------------------------------
@@ -313,7 +372,7 @@ def test_logprobs_ranks_and_top_logprobs_use_the_raw_logits():
     seen_ranks = set()
     for trial in range(20):
         torch.manual_seed(trial)
-        out = sample(logits.clone(), meta)
+        out = sample(logits.clone(), redraw(meta))
         assert out.logprobs is not None and out.ranks is not None
         assert out.top_ids is not None and out.top_logprobs is not None
         for row in range(6):

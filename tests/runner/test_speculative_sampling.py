@@ -10,8 +10,9 @@ import math
 import pytest
 import torch
 
+from metrale.runner.random_draws import seeded_draws
 from metrale.runner.sampler import Drafts, sample
-from tests.runner.test_sampler import make_meta, seeded
+from tests.runner.test_sampler import make_meta
 
 VOCAB = 8
 NUM_ROWS = 40_000
@@ -37,7 +38,7 @@ def draft_rows(draft: int, temperature: float, **filters) -> torch.Tensor:
         min_p=[filters.get("min_p", 0.0)] * NUM_ROWS,
     )
     rows = torch.arange(NUM_ROWS)
-    drafts = Drafts(rows, torch.full((NUM_ROWS,), draft), tuple(range(NUM_ROWS)))
+    drafts = Drafts(rows, torch.full((NUM_ROWS,), draft))
     meta = dataclasses.replace(meta, drafts=drafts)
     return sample(LOGITS.repeat(NUM_ROWS, 1), meta).token_ids
 
@@ -66,20 +67,26 @@ def test_tokens_follow_the_target_whatever_the_draft(draft, temperature, filters
 
 def test_greedy_rows_keep_their_argmax():
     meta = make_meta([0.0, 0.0, 1.0], VOCAB)
-    drafts = Drafts(torch.tensor([0, 1]), torch.tensor([0, 3]), (0, 1))
+    drafts = Drafts(torch.tensor([0, 1]), torch.tensor([0, 3]))
     meta = dataclasses.replace(meta, drafts=drafts, all_greedy=False)
     tokens = sample(LOGITS.repeat(3, 1), meta).token_ids
     assert tokens[:2].tolist() == [0, 0]  # the argmax: the draft 0 kept, the draft 3 replaced
 
 
-def test_seeded_rows_check_drafts_with_their_own_generator():
-    """The same seeds give the same tokens, whatever the global generator's state."""
+def test_seeded_rows_check_drafts_with_their_own_draws():
+    """A seeded row's draft check uses its own draws (acceptance and replacement): the same
+    seeds and positions give the same tokens, whatever the global generator's state, and other
+    positions other tokens."""
 
-    def once(global_seed: int) -> list[int]:
+    def once(global_seed: int, position: int) -> list[int]:
         torch.manual_seed(global_seed)
-        meta = make_meta([1.0] * 4, VOCAB, generators={r: seeded(11 + r) for r in range(4)})
-        drafts = Drafts(torch.arange(4), torch.full((4,), 5), (0, 1, 2, 3))
+        draws = torch.from_numpy(
+            seeded_draws([11, 12, 13, 14] * 8, [position + i for i in range(32)])
+        )
+        meta = make_meta([1.0] * 32, VOCAB, draws=draws)
+        drafts = Drafts(torch.arange(32), torch.full((32,), 5))
         meta = dataclasses.replace(meta, drafts=drafts)
-        return sample(LOGITS.repeat(4, 1), meta).token_ids.tolist()
+        return sample(LOGITS.repeat(32, 1), meta).token_ids.tolist()
 
-    assert once(1) == once(2)
+    assert once(1, 100) == once(2, 100)
+    assert once(1, 100) != once(1, 200)
