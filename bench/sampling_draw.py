@@ -53,22 +53,25 @@ def timed(fn, repeats: int = 200) -> dict[str, float]:
     }
 
 
+def variants(rows: int) -> dict:
+    probs = torch.softmax(torch.randn(rows, VOCAB, device="cuda") * 3, dim=-1)
+    draws = torch.rand(rows, dtype=torch.float64, device="cuda")
+    seeded = [torch.Generator(device="cuda").manual_seed(i) for i in range(rows)]
+    return {
+        "race_unseeded": lambda: race(probs, [None] * rows),
+        "race_seeded": lambda: race(probs, seeded),
+        "inverse_cdf_kernel": lambda: inverse_cdf(probs, draws),
+        "inverse_cdf_torch": lambda: inverse_cdf_torch(probs, draws),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
     args = parser.parse_args()
     results: dict = {"device": torch.cuda.get_device_name(), "vocab": VOCAB}
     for rows in (1, 64, 256):
-        probs = torch.softmax(torch.randn(rows, VOCAB, device="cuda") * 3, dim=-1)
-        draws = torch.rand(rows, dtype=torch.float64, device="cuda")
-        seeded = [torch.Generator(device="cuda").manual_seed(i) for i in range(rows)]
-        variants = {
-            "race_unseeded": lambda: race(probs, [None] * rows),
-            "race_seeded": lambda: race(probs, seeded),
-            "inverse_cdf_kernel": lambda: inverse_cdf(probs, draws),
-            "inverse_cdf_torch": lambda: inverse_cdf_torch(probs, draws),
-        }
-        for name, fn in variants.items():
+        for name, fn in variants(rows).items():
             results[f"{rows}_rows_{name}"] = timed(fn)
             print(rows, name, json.dumps(results[f"{rows}_rows_{name}"]))
     args.out.mkdir(parents=True, exist_ok=True)

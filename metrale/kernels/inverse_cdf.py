@@ -1,9 +1,11 @@
-"""One token per row by the inverse CDF in one launch (`runner/inverse_cdf.py` says what is drawn;
-its torch formula `inverse_cdf_torch` is this kernel's reference, token for token).
+"""One token per row by the inverse CDF (`runner/inverse_cdf.py` says what is drawn; its torch
+formula `inverse_cdf_torch` is this kernel's reference, token for token).
 
-One program per row streams the row twice, BLOCK tokens at a time: first for its fixed-point
-total, then for the number of tokens whose running sum is at most the target, which is the
-drawn token. The sums are int64, so the order the blocks add in cannot change the answer.
+Two launches, each over every (row, chunk of CHUNK tokens), so one row is spread over the GPU
+as widely as a batch is: the first writes each chunk's fixed-point total; in the second each
+program sums the totals before its chunk, and only the chunk where the row's running sum passes
+the target reads its tokens again, to find the token. The sums are int64, so the order they add
+in cannot change the answer.
 """
 
 from __future__ import annotations
@@ -12,7 +14,10 @@ import torch
 import triton
 import triton.language as tl
 
+from metrale.kernels.grid import cdiv, next_power_of_2
 from metrale.runner.inverse_cdf import PROB_SCALE
+
+CHUNK = 4096  # tokens per program: Qwen3's vocabulary is 38 chunks
 
 
 @triton.jit
@@ -22,33 +27,46 @@ def _fixed_point(probs_ptr, offs, vocab_size, SCALE: tl.constexpr):
 
 
 @triton.jit
-def _inverse_cdf_kernel(
+def _chunk_totals_kernel(
+    probs_ptr, stride_row, totals_ptr, out_ptr, vocab_size, SCALE: tl.constexpr, CHUNK: tl.constexpr
+):
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    offs = chunk * CHUNK + tl.arange(0, CHUNK)
+    counts = _fixed_point(probs_ptr + row.to(tl.int64) * stride_row, offs, vocab_size, SCALE)
+    tl.store(totals_ptr + row * tl.num_programs(1) + chunk, tl.sum(counts, axis=0))
+    if chunk == 0:  # what a row keeps if no chunk claims it (garbage probabilities: NaN)
+        tl.store(out_ptr + row, 0)
+
+
+@triton.jit
+def _find_kernel(
     probs_ptr,
     stride_row,
     draws_ptr,
     stride_draw,
+    totals_ptr,
     out_ptr,
     vocab_size,
     SCALE: tl.constexpr,
-    BLOCK: tl.constexpr,
+    CHUNK: tl.constexpr,
+    NUM_CHUNKS_P2: tl.constexpr,
 ):
     row = tl.program_id(0)
-    probs_ptr += row.to(tl.int64) * stride_row
-    total = tl.zeros([BLOCK], tl.int64)
-    for start in range(0, vocab_size, BLOCK):
-        total += _fixed_point(probs_ptr, start + tl.arange(0, BLOCK), vocab_size, SCALE)
-    row_total = tl.sum(total, axis=0)
+    chunk = tl.program_id(1)
+    num_chunks = tl.num_programs(1)
+    ids = tl.arange(0, NUM_CHUNKS_P2)
+    totals = tl.load(totals_ptr + row * num_chunks + ids, mask=ids < num_chunks, other=0)
+    row_total = tl.sum(totals, axis=0)
+    before = tl.sum(tl.where(ids < chunk, totals, 0), axis=0)
+    mine = tl.sum(tl.where(ids == chunk, totals, 0), axis=0)
     draw = tl.load(draws_ptr + row * stride_draw)
     target = tl.minimum((draw * row_total.to(tl.float64)).to(tl.int64), row_total - 1)
-    below = tl.zeros([BLOCK], tl.int32)
-    carry = row_total * 0
-    for start in range(0, vocab_size, BLOCK):
-        counts = _fixed_point(probs_ptr, start + tl.arange(0, BLOCK), vocab_size, SCALE)
-        running = carry + tl.cumsum(counts, axis=0)
-        below += (running <= target).to(tl.int32)
-        carry += tl.sum(counts, axis=0)
-    token = tl.minimum(tl.sum(below, axis=0), vocab_size - 1)
-    tl.store(out_ptr + row, token.to(tl.int64))
+    if before <= target and target < before + mine:  # one chunk of the row (none if all zero)
+        offs = chunk * CHUNK + tl.arange(0, CHUNK)
+        counts = _fixed_point(probs_ptr + row.to(tl.int64) * stride_row, offs, vocab_size, SCALE)
+        below = tl.sum((before + tl.cumsum(counts, axis=0) <= target).to(tl.int32), axis=0)
+        tl.store(out_ptr + row, tl.minimum(chunk * CHUNK + below, vocab_size - 1).to(tl.int64))
 
 
 def inverse_cdf(probs: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
@@ -57,15 +75,24 @@ def inverse_cdf(probs: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
     assert probs.dtype == torch.float32 and probs.stride(1) == 1, "fp32 rows, contiguous"
     assert draws.dtype == torch.float64 and draws.shape == (num_rows,)  # a column is fine
     out = torch.empty(num_rows, dtype=torch.int64, device=probs.device)
-    if num_rows:
-        _inverse_cdf_kernel[(num_rows,)](
-            probs,
-            probs.stride(0),
-            draws,
-            draws.stride(0),
-            out,
-            vocab_size,
-            PROB_SCALE,
-            BLOCK=2048,
-        )
+    if num_rows == 0:
+        return out
+    num_chunks = cdiv(vocab_size, CHUNK)
+    totals = torch.empty(num_rows, num_chunks, dtype=torch.int64, device=probs.device)
+    grid = (num_rows, num_chunks)
+    _chunk_totals_kernel[grid](
+        probs, probs.stride(0), totals, out, vocab_size, PROB_SCALE, CHUNK=CHUNK
+    )
+    _find_kernel[grid](
+        probs,
+        probs.stride(0),
+        draws,
+        draws.stride(0),
+        totals,
+        out,
+        vocab_size,
+        PROB_SCALE,
+        CHUNK=CHUNK,
+        NUM_CHUNKS_P2=next_power_of_2(num_chunks),
+    )
     return out

@@ -29,7 +29,7 @@ def draws(num_rows: int, device: torch.device) -> torch.Tensor:
     return d.to(device)[:, 0]  # a strided column, as the sampler passes it
 
 
-@pytest.mark.parametrize("vocab_size", [7, 100, 2048, 5000])
+@pytest.mark.parametrize("vocab_size", [7, 100, 4096, 5000, 9000])
 def test_matches_the_torch_reference(device: torch.device, vocab_size: int) -> None:
     torch.manual_seed(vocab_size)
     probs, d = rows(9, vocab_size, device), draws(9, device)
@@ -49,3 +49,16 @@ def test_matches_the_torch_reference_at_a_real_vocabulary(num_rows: int) -> None
     probs, d = rows(max(num_rows, 6), 151_936, device), draws(max(num_rows, 6), device)
     probs, d = probs[:num_rows], d[:num_rows]
     assert torch.equal(inverse_cdf(probs, d).cpu(), inverse_cdf_torch(probs.cpu(), d.cpu()))
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered in cast")  # the interpreter's numpy
+def test_garbage_probabilities_still_give_token_ids(device: torch.device) -> None:
+    """NaN or infinite probabilities (a broken model's logits) draw some token of the
+    vocabulary, on either path, rather than an id past it."""
+    torch.manual_seed(3)
+    probs, d = rows(9, 5000, device), draws(9, device)
+    probs[0, 7] = float("nan")
+    probs[3] = float("nan")
+    probs[6, 100] = float("inf")
+    for ids in (inverse_cdf(probs, d).cpu(), inverse_cdf_torch(probs.cpu(), d.cpu())):
+        assert ((ids >= 0) & (ids < 5000)).all(), ids
