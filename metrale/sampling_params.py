@@ -7,6 +7,7 @@ scheduler and never disturbs the requests already running.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, fields
 
@@ -239,26 +240,26 @@ class SamplingParams:
         if not math.isfinite(self.lz_penalty) or self.lz_penalty < 0:
             _fail("lz_penalty", self.lz_penalty, "must be a finite number >= 0 (0: off)")
 
-    @property
+    @functools.cached_property  # frozen: computed once
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    @property
+    @functools.cached_property  # frozen: computed once
     def truncates(self) -> bool:
         """Whether a llama.cpp truncation sampler is on (runner/truncation.py)."""
         return self.top_n_sigma > 0 or self.typical_p < 1.0 or self.xtc_probability > 0
 
-    @property
+    @functools.cached_property  # frozen: computed once
     def uses_dry(self) -> bool:
         return self.dry_multiplier > 0 and self.dry_penalty_last_n != 0
 
-    @property
+    @functools.cached_property  # frozen: computed once
     def reads_history(self) -> bool:
         """Whether a penalty reads the tokens so far (the counted ones, DRY, the LZ penalty):
         the runner keeps the request's history on the device (runner/repeat_history.py)."""
         return self.has_penalties or self.uses_dry or self.lz_penalty > 0
 
-    @property
+    @functools.cached_property  # frozen: computed once
     def has_penalties(self) -> bool:
         return (
             self.presence_penalty != 0.0

@@ -75,6 +75,13 @@ class KVCacheManager:
         cached_prefix: list[KVCacheBlock] | None = None,
     ) -> bool:
         """Claim blocks for `num_new_tokens` more tokens (after an optional cached prefix)."""
+        held = self._blocks.get(request.request_id)
+        num_tokens = request.num_computed_tokens + num_new_tokens
+        if held and cached_prefix is None and num_tokens <= len(held) * self.block_size:
+            # Most decodes: the tokens fit the blocks held; blocks they fill may become cached.
+            if num_tokens // self.block_size > self._num_published.get(request.request_id, 0):
+                self._publish_full_blocks(request, held, num_tokens)
+            return True
         held = self._blocks.setdefault(request.request_id, [])
         cached_prefix = cached_prefix or []
         num_computed = request.num_computed_tokens + len(cached_prefix) * self.block_size
