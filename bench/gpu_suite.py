@@ -259,30 +259,47 @@ def profile_b3(results: dict) -> None:
     params = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         core.add_request(EngineRequest(f"p{i}", prompt, params, 0.0))
-    out_dir = Path(os.environ.get("OUT", ROOT / "results"))
     for phase, skip in (("prefill", 3), ("decode", 60)):
-        for _ in range(skip):
-            core.step()
-        # Unprofiled first: the profiler slows the host's launches, so its wall time may show
-        # the GPU waiting on a host that is not slow without it.
-        wall_ms = step_ms(core, 3)
-        prof = profile_steps(core, 3, rows=25)
-        batch = [
-            len(core.scheduler.running),
-            sum(r.num_computed_tokens for r in core.scheduler.running),
-        ]
-        (out_dir / f"profile_b3_{phase}.txt").write_text(
-            f"B3 {phase} step: {wall_ms:.2f} ms wall ({prof.wall_ms:.2f} ms profiled), "
-            f"{prof.kernel_ms:.2f} ms of kernels; {batch[0]} running requests, {batch[1]} "
-            f"computed tokens\n\n{prof.table}\n"
-        )
-        results[f"profile_b3_{phase}"] = {
-            "ms_per_step": wall_ms,
-            "profiled_ms_per_step": prof.wall_ms,
-            "kernel_ms_per_step": prof.kernel_ms,
-        }
-        print(f"B3 {phase}: {wall_ms:.2f} ms per step, kernels {prof.kernel_ms:.2f} ms, {batch}")
+        profile_phase(core, f"b3_{phase}", skip, results)
     release(core)
+
+
+def profile_b2(results: dict) -> None:
+    """A decode step of B2 (Qwen3-0.6B shape: 256 rows sampled, seeded), kernel by kernel,
+    once every prompt is in; then the run is abandoned."""
+    core = b2_engine(QWEN3_06B)
+    prompts, _, params = b2_workload()
+    run(core, prompts[:4], [SamplingParams(max_tokens=8)] * 4)
+    add_requests(core, prompts, params)
+    profile_phase(core, "b2_decode", 60, results)
+    release(core)
+
+
+def profile_phase(core: EngineCore, label: str, skip: int, results: dict) -> None:
+    """After `skip` more steps: three steps' wall time, then three under the profiler, whose
+    kernel table goes to `profile_{label}.txt`."""
+    out_dir = Path(os.environ.get("OUT", ROOT / "results"))
+    for _ in range(skip):
+        core.step()
+    # Unprofiled first: the profiler slows the host's launches, so its wall time may show
+    # the GPU waiting on a host that is not slow without it.
+    wall_ms = step_ms(core, 3)
+    prof = profile_steps(core, 3, rows=25)
+    batch = [
+        len(core.scheduler.running),
+        sum(r.num_computed_tokens for r in core.scheduler.running),
+    ]
+    (out_dir / f"profile_{label}.txt").write_text(
+        f"{label} step: {wall_ms:.2f} ms wall ({prof.wall_ms:.2f} ms profiled), "
+        f"{prof.kernel_ms:.2f} ms of kernels; {batch[0]} running requests, {batch[1]} "
+        f"computed tokens\n\n{prof.table}\n"
+    )
+    results[f"profile_{label}"] = {
+        "ms_per_step": wall_ms,
+        "profiled_ms_per_step": prof.wall_ms,
+        "kernel_ms_per_step": prof.kernel_ms,
+    }
+    print(f"{label}: {wall_ms:.2f} ms per step, kernels {prof.kernel_ms:.2f} ms, {batch}")
 
 
 def profile_b5(results: dict) -> None:
@@ -817,6 +834,7 @@ def main() -> None:
             "b3_swap",
             "b5",
             "profile",
+            "profile_b2",
             "profile_b3",
             "profile_b5",
         ],
