@@ -42,15 +42,22 @@ class Drafts:
 
 
 @dataclass(frozen=True)
-class SamplingMetadata:
+class RandomRows:
+    """The per-row parameters of a batch in which some row draws at random."""
+
     temperature: torch.Tensor  # [num_rows] fp32; 0 marks a greedy row
     top_k: torch.Tensor  # [num_rows] int64; vocab size where disabled
     top_p: torch.Tensor  # [num_rows] fp32
     min_p: torch.Tensor  # [num_rows] fp32
-    all_greedy: bool
+    draws: torch.Tensor  # [num_rows, NUM_DRAWS] fp64 in [0, 1) (`random_draws.py`'s columns)
+    any_greedy: bool
     any_top_k_or_p: bool
     any_min_p: bool
-    draws: torch.Tensor  # [num_rows, NUM_DRAWS] fp64 in [0, 1) (`random_draws.py`'s columns)
+
+
+@dataclass(frozen=True)
+class SamplingMetadata:
+    random: RandomRows | None  # None: every row is greedy (nothing of the above is copied)
     banned: list[tuple[int, tuple[int, ...]]]  # (row, token ids) masked this step (min_tokens)
     max_num_logprobs: int | None  # largest top-N asked in the batch; None: no logprobs
     logit_bias: LogitBias | None = None  # None: no row has a logit bias
@@ -60,6 +67,10 @@ class SamplingMetadata:
     truncation: Truncation | None = None  # None: no sampled row uses top-nσ, typical or XTC
     drafts: Drafts | None = None  # None: no sampled row checks a draft
     penalties: RepeatPenalties | None = None  # None: no row has a penalty
+
+    @property
+    def all_greedy(self) -> bool:
+        return self.random is None
 
 
 @dataclass(frozen=True)
@@ -78,25 +89,8 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         raw_logprobs = torch.log_softmax(logits, dim=-1)
     _adjust_logits(logits, meta)
 
-    greedy_ids = logits.argmax(dim=-1)
-    if meta.all_greedy:
-        token_ids = greedy_ids
-    else:
-        is_greedy = meta.temperature == 0
-        if meta.truncation is not None:  # at temperature 1, as llama.cpp's chain has them
-            logits = truncate(logits, meta.truncation, meta.draws)
-        temperature = torch.where(is_greedy, 1.0, meta.temperature)
-        logits = logits / temperature.unsqueeze(1)
-        if meta.any_top_k_or_p:
-            logits = _apply_top_k_top_p(logits, meta.top_k, meta.top_p)
-        probs = torch.softmax(logits, dim=-1)
-        if meta.any_min_p:
-            threshold = meta.min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
-            probs = probs.masked_fill(probs < threshold, 0.0)
-        sampled_ids = inverse_cdf(probs, meta.draws[:, TOKEN])
-        if meta.drafts is not None:
-            sampled_ids = _check_drafts(probs, sampled_ids, meta.drafts, meta.draws)
-        token_ids = torch.where(is_greedy, greedy_ids, sampled_ids)
+    random = meta.random
+    token_ids = logits.argmax(dim=-1) if random is None else _draw(logits, meta, random)
 
     if raw_logprobs is None:
         return SamplerOutput(token_ids, None, None, None, None)
@@ -104,6 +98,28 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
     ranks = (raw_logprobs > chosen).sum(dim=-1) + 1
     top_logprobs, top_ids = raw_logprobs.topk(meta.max_num_logprobs, dim=-1)
     return SamplerOutput(token_ids, chosen.squeeze(1), ranks, top_ids, top_logprobs)
+
+
+def _draw(logits: torch.Tensor, meta: SamplingMetadata, rows: RandomRows) -> torch.Tensor:
+    """The batch's tokens: its greedy rows' argmax, the others drawn from their distribution."""
+    greedy_ids = logits.argmax(dim=-1) if rows.any_greedy else None
+    is_greedy = rows.temperature == 0
+    if meta.truncation is not None:  # at temperature 1, as llama.cpp's chain has them
+        logits = truncate(logits, meta.truncation, rows.draws)
+    temperature = torch.where(is_greedy, 1.0, rows.temperature)
+    logits = logits / temperature.unsqueeze(1)
+    if rows.any_top_k_or_p:
+        logits = _apply_top_k_top_p(logits, rows.top_k, rows.top_p)
+    probs = torch.softmax(logits, dim=-1)
+    if rows.any_min_p:
+        threshold = rows.min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+        probs = probs.masked_fill(probs < threshold, 0.0)
+    sampled_ids = inverse_cdf(probs, rows.draws[:, TOKEN])
+    if meta.drafts is not None:
+        sampled_ids = _check_drafts(probs, sampled_ids, meta.drafts, rows.draws)
+    if greedy_ids is None:
+        return sampled_ids
+    return torch.where(is_greedy, greedy_ids, sampled_ids)
 
 
 def _check_drafts(

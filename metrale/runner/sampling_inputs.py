@@ -17,7 +17,7 @@ from metrale.runner.input_buffers import InputBuffers, to_device
 from metrale.runner.random_draws import RandomDraws
 from metrale.runner.repeat_history import RepeatHistory
 from metrale.runner.repeat_penalties import RepeatPenalties
-from metrale.runner.sampler import Drafts, LogitBias, SamplingMetadata
+from metrale.runner.sampler import Drafts, LogitBias, RandomRows, SamplingMetadata
 from metrale.runner.structured_output import GrammarRows, StructuredOutputs
 from metrale.runner.truncation import Truncation
 from metrale.sampling_params import SamplingParams
@@ -90,28 +90,9 @@ class SamplingInputs:
         """The sampler's inputs for one row per chunk in `chunks`, each sampling the token at
         its position in `positions` (None: the one after the chunk)."""
         params = [c.sampling_params for c in chunks]
-        vocab_size = self.vocab_size
-        b = self.buffers
-        n = len(params)
-        b.temperature.np[:n] = [p.temperature for p in params]
-        b.top_k.np[:n] = [p.top_k or vocab_size for p in params]
-        b.top_p.np[:n] = [p.top_p for p in params]
-        b.min_p.np[:n] = [p.min_p for p in params]
-        if positions is None:
-            positions = [c.start_pos + len(c.token_ids) for c in chunks]
-        self.random_draws.fill(
-            b.draws.np, [None if p.greedy else p.seed for p in params], positions
-        )
         logprobs = [p.logprobs for p in params if p.logprobs is not None]
         return SamplingMetadata(
-            temperature=b.temperature.copy_to_device(n),
-            top_k=b.top_k.copy_to_device(n),
-            top_p=b.top_p.copy_to_device(n),
-            min_p=b.min_p.copy_to_device(n),
-            all_greedy=all(p.greedy for p in params),
-            any_top_k_or_p=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
-            any_min_p=any(p.min_p > 0 for p in params),
-            draws=b.draws.copy_to_device(n),
+            random=self._random_rows(chunks, params, positions),
             banned=[
                 (row, c.banned_token_ids) for row, c in enumerate(chunks) if c.banned_token_ids
             ],
@@ -126,6 +107,38 @@ class SamplingInputs:
                 if c.forced_token_id is not None
             ],
             **(grammar or {}),
+        )
+
+    def _random_rows(
+        self,
+        chunks: list[ScheduledChunk],
+        params: list[SamplingParams],
+        positions: list[int] | None,
+    ) -> RandomRows | None:
+        """The per-row parameters and draws of a batch where some row is not greedy, on the
+        device; None (and nothing copied) when every row is greedy."""
+        greedy = [p.greedy for p in params]
+        if all(greedy):
+            return None
+        b = self.buffers
+        n = len(params)
+        b.temperature.np[:n] = [p.temperature for p in params]
+        b.top_k.np[:n] = [p.top_k or self.vocab_size for p in params]
+        b.top_p.np[:n] = [p.top_p for p in params]
+        b.min_p.np[:n] = [p.min_p for p in params]
+        if positions is None:
+            positions = [c.start_pos + len(c.token_ids) for c in chunks]
+        seeds = [None if g else p.seed for g, p in zip(greedy, params, strict=True)]
+        self.random_draws.fill(b.draws.np, seeds, positions)
+        return RandomRows(
+            temperature=b.temperature.copy_to_device(n),
+            top_k=b.top_k.copy_to_device(n),
+            top_p=b.top_p.copy_to_device(n),
+            min_p=b.min_p.copy_to_device(n),
+            draws=b.draws.copy_to_device(n),
+            any_greedy=any(greedy),
+            any_top_k_or_p=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
+            any_min_p=any(p.min_p > 0 for p in params),
         )
 
     def drafts(self, chunks: list[ScheduledChunk], first_rows: np.ndarray) -> Drafts | None:

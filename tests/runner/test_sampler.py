@@ -10,7 +10,7 @@ import torch
 
 from metrale.runner.inverse_cdf import inverse_cdf_torch
 from metrale.runner.random_draws import NUM_DRAWS, TOKEN, RandomDraws, seeded_draws
-from metrale.runner.sampler import SamplingMetadata, _apply_top_k_top_p, sample
+from metrale.runner.sampler import RandomRows, SamplingMetadata, _apply_top_k_top_p, sample
 
 
 def make_meta(
@@ -30,23 +30,27 @@ def make_meta(
     top_k = top_k or [0] * num_rows
     top_p = top_p or [1.0] * num_rows
     min_p = min_p or [0.0] * num_rows
-    return SamplingMetadata(
-        temperature=torch.tensor(temperature, dtype=torch.float32),
-        top_k=torch.tensor([k or vocab_size for k in top_k], dtype=torch.int64),
-        top_p=torch.tensor(top_p, dtype=torch.float32),
-        min_p=torch.tensor(min_p, dtype=torch.float32),
-        all_greedy=all(t == 0 for t in temperature),
-        any_top_k_or_p=any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p),
-        any_min_p=any(p > 0 for p in min_p),
-        draws=torch.rand(num_rows, NUM_DRAWS, dtype=torch.float64) if draws is None else draws,
-        banned=banned or [],
-        max_num_logprobs=max_num_logprobs,
-    )
+    random = None
+    if any(t != 0 for t in temperature):
+        random = RandomRows(
+            temperature=torch.tensor(temperature, dtype=torch.float32),
+            top_k=torch.tensor([k or vocab_size for k in top_k], dtype=torch.int64),
+            top_p=torch.tensor(top_p, dtype=torch.float32),
+            min_p=torch.tensor(min_p, dtype=torch.float32),
+            draws=torch.rand(num_rows, NUM_DRAWS, dtype=torch.float64) if draws is None else draws,
+            any_greedy=any(t == 0 for t in temperature),
+            any_top_k_or_p=any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p),
+            any_min_p=any(p > 0 for p in min_p),
+        )
+    return SamplingMetadata(random=random, banned=banned or [], max_num_logprobs=max_num_logprobs)
 
 
 def redraw(meta: SamplingMetadata) -> SamplingMetadata:
     """The same metadata with fresh draws (the next step's, for the same rows)."""
-    return dataclasses.replace(meta, draws=torch.rand_like(meta.draws))
+    if meta.random is None:
+        return meta
+    draws = torch.rand_like(meta.random.draws)
+    return dataclasses.replace(meta, random=dataclasses.replace(meta.random, draws=draws))
 
 
 def seeded(seed: int) -> torch.Generator:

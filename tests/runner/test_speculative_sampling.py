@@ -68,7 +68,7 @@ def test_tokens_follow_the_target_whatever_the_draft(draft, temperature, filters
 def test_greedy_rows_keep_their_argmax():
     meta = make_meta([0.0, 0.0, 1.0], VOCAB)
     drafts = Drafts(torch.tensor([0, 1]), torch.tensor([0, 3]))
-    meta = dataclasses.replace(meta, drafts=drafts, all_greedy=False)
+    meta = dataclasses.replace(meta, drafts=drafts)
     tokens = sample(LOGITS.repeat(3, 1), meta).token_ids
     assert tokens[:2].tolist() == [0, 0]  # the argmax: the draft 0 kept, the draft 3 replaced
 
