@@ -1,7 +1,8 @@
 """The token draw alone, on the GPU: the exponential race the sampler used until 2026-12-06
 (noise for every token, one `exponential_` launch per seeded row on its own generator, then
 argmax of p / noise) against the inverse CDF that replaced it (`runner/inverse_cdf.py`: one
-uniform per row from the host; the Triton kernel, and the torch formula for comparison).
+uniform per row from the host; the Triton kernels, and the torch formula for comparison); and
+from the logits, temperature and softmax then the kernel against the tempered kernels.
 
 Per variant and batch size: the host's time to issue a draw (median of 200, no sync) and the
 device's (CUDA events around 200 draws), on softmax rows of Qwen3's vocabulary (151,936).
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from metrale.kernels.inverse_cdf import inverse_cdf
+from metrale.kernels.inverse_cdf import inverse_cdf, tempered_inverse_cdf
 from metrale.runner.inverse_cdf import inverse_cdf_torch
 
 VOCAB = 151_936
@@ -54,7 +55,9 @@ def timed(fn, repeats: int = 200) -> dict[str, float]:
 
 
 def variants(rows: int) -> dict:
-    probs = torch.softmax(torch.randn(rows, VOCAB, device="cuda") * 3, dim=-1)
+    logits = torch.randn(rows, VOCAB, device="cuda") * 3
+    temperature = torch.full((rows,), 0.6, device="cuda")
+    probs = torch.softmax(logits, dim=-1)
     draws = torch.rand(rows, dtype=torch.float64, device="cuda")
     seeded = [torch.Generator(device="cuda").manual_seed(i) for i in range(rows)]
     return {
@@ -62,6 +65,11 @@ def variants(rows: int) -> dict:
         "race_seeded": lambda: race(probs, seeded),
         "inverse_cdf_kernel": lambda: inverse_cdf(probs, draws),
         "inverse_cdf_torch": lambda: inverse_cdf_torch(probs, draws),
+        # from the fp32 logits: what the sampler did before the tempered kernels, and them
+        "divide_softmax_kernel": lambda: inverse_cdf(
+            torch.softmax(logits / temperature.unsqueeze(1), dim=-1), draws
+        ),
+        "tempered_kernel": lambda: tempered_inverse_cdf(logits, temperature, draws),
     }
 
 

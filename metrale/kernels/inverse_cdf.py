@@ -1,11 +1,15 @@
 """One token per row by the inverse CDF (`runner/inverse_cdf.py` says what is drawn; its torch
-formula `inverse_cdf_torch` is this kernel's reference, token for token).
+formulas are these kernels' reference).
 
-Two launches, each over every (row, chunk of CHUNK tokens), so one row is spread over the GPU
-as widely as a batch is: the first writes each chunk's fixed-point total; in the second each
-program sums the totals before its chunk, and only the chunk where the row's running sum passes
-the target reads its tokens again, to find the token. The sums are int64, so the order they add
-in cannot change the answer.
+Every launch runs over each (row, chunk of CHUNK tokens), so one row is spread over the GPU as
+widely as a batch is. `inverse_cdf` takes the weights: the first launch writes each chunk's
+fixed-point total; in the second each program sums the totals before its chunk, and only the
+chunk where the row's running sum passes the target reads its tokens again, to find the token.
+`tempered_inverse_cdf` takes the logits and the rows' temperatures and computes the weights
+`exp(l - max l)` of the tempered logits `l` where it reads them, after a first launch for each
+chunk's maximum: the logits are read three times and nothing of their size is written (the
+torch formula divides, reduces, subtracts and exponentiates in four passes that each write).
+The sums are int64, so the order they add in cannot change the answer.
 """
 
 from __future__ import annotations
@@ -21,28 +25,75 @@ CHUNK = 4096  # tokens per program: Qwen3's vocabulary is 38 chunks
 
 
 @triton.jit
-def _fixed_point(probs_ptr, offs, vocab_size, SCALE: tl.constexpr):
-    p = tl.load(probs_ptr + offs, mask=offs < vocab_size, other=0.0)
-    return (p * SCALE).to(tl.int64)
+def _tempered(logits_ptr, offs, vocab_size, temperature):
+    x = tl.load(logits_ptr + offs, mask=offs < vocab_size, other=float("-inf"))
+    return tl.math.div_rn(x.to(tl.float32), temperature)
 
 
 @triton.jit
-def _chunk_totals_kernel(
-    probs_ptr, stride_row, totals_ptr, out_ptr, vocab_size, SCALE: tl.constexpr, CHUNK: tl.constexpr
+def _counts(weights_ptr, offs, vocab_size, temperature, row_max, SCALE, TEMPERED: tl.constexpr):
+    """The fixed-point weights of tokens `offs` (0 past the vocabulary)."""
+    if TEMPERED:
+        w = tl.exp(_tempered(weights_ptr, offs, vocab_size, temperature) - row_max)
+    else:
+        w = tl.load(weights_ptr + offs, mask=offs < vocab_size, other=0.0)
+    return (w * SCALE).to(tl.int64)
+
+
+@triton.jit
+def _row_max(maxes_ptr, row, num_chunks, NUM_CHUNKS_P2: tl.constexpr):
+    ids = tl.arange(0, NUM_CHUNKS_P2)
+    maxes = tl.load(maxes_ptr + row * num_chunks + ids, mask=ids < num_chunks, other=-1e38)
+    return tl.max(maxes, axis=0)
+
+
+@triton.jit
+def _chunk_max_kernel(
+    logits_ptr, stride_row, temperature_ptr, maxes_ptr, vocab_size, CHUNK: tl.constexpr
 ):
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     offs = chunk * CHUNK + tl.arange(0, CHUNK)
-    counts = _fixed_point(probs_ptr + row.to(tl.int64) * stride_row, offs, vocab_size, SCALE)
-    tl.store(totals_ptr + row * tl.num_programs(1) + chunk, tl.sum(counts, axis=0))
-    if chunk == 0:  # what a row keeps if no chunk claims it (garbage probabilities: NaN)
+    t = tl.load(temperature_ptr + row)
+    scaled = _tempered(logits_ptr + row.to(tl.int64) * stride_row, offs, vocab_size, t)
+    tl.store(maxes_ptr + row * tl.num_programs(1) + chunk, tl.max(scaled, axis=0))
+
+
+@triton.jit
+def _chunk_totals_kernel(
+    weights_ptr,
+    stride_row,
+    temperature_ptr,
+    maxes_ptr,
+    totals_ptr,
+    out_ptr,
+    vocab_size,
+    SCALE: tl.constexpr,
+    CHUNK: tl.constexpr,
+    NUM_CHUNKS_P2: tl.constexpr,
+    TEMPERED: tl.constexpr,
+):
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    num_chunks = tl.num_programs(1)
+    t, row_max = 1.0, 0.0
+    if TEMPERED:
+        t = tl.load(temperature_ptr + row)
+        row_max = _row_max(maxes_ptr, row, num_chunks, NUM_CHUNKS_P2)
+    offs = chunk * CHUNK + tl.arange(0, CHUNK)
+    ptr = weights_ptr + row.to(tl.int64) * stride_row
+    counts = _counts(ptr, offs, vocab_size, t, row_max, SCALE, TEMPERED)
+    tl.store(totals_ptr + row * num_chunks + chunk, tl.sum(counts, axis=0))
+    if chunk == 0:  # what a row keeps if no chunk claims it (garbage weights: NaN)
         tl.store(out_ptr + row, 0)
 
 
 @triton.jit
 def _find_kernel(
-    probs_ptr,
+    weights_ptr,
     stride_row,
+    temperature_ptr,
+    maxes_ptr,
     draws_ptr,
     stride_draw,
     totals_ptr,
@@ -51,6 +102,7 @@ def _find_kernel(
     SCALE: tl.constexpr,
     CHUNK: tl.constexpr,
     NUM_CHUNKS_P2: tl.constexpr,
+    TEMPERED: tl.constexpr,
 ):
     row = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -63,36 +115,72 @@ def _find_kernel(
     draw = tl.load(draws_ptr + row * stride_draw)
     target = tl.minimum((draw * row_total.to(tl.float64)).to(tl.int64), row_total - 1)
     if before <= target and target < before + mine:  # one chunk of the row (none if all zero)
+        t, row_max = 1.0, 0.0
+        if TEMPERED:
+            t = tl.load(temperature_ptr + row)
+            row_max = _row_max(maxes_ptr, row, num_chunks, NUM_CHUNKS_P2)
         offs = chunk * CHUNK + tl.arange(0, CHUNK)
-        counts = _fixed_point(probs_ptr + row.to(tl.int64) * stride_row, offs, vocab_size, SCALE)
+        ptr = weights_ptr + row.to(tl.int64) * stride_row
+        counts = _counts(ptr, offs, vocab_size, t, row_max, SCALE, TEMPERED)
         below = tl.sum((before + tl.cumsum(counts, axis=0) <= target).to(tl.int32), axis=0)
         tl.store(out_ptr + row, tl.minimum(chunk * CHUNK + below, vocab_size - 1).to(tl.int64))
 
 
-def inverse_cdf(probs: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
+def inverse_cdf(weights: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
     """[num_rows] int64 token ids (`runner.inverse_cdf.inverse_cdf`'s contract)."""
-    num_rows, vocab_size = probs.shape
-    assert probs.dtype == torch.float32 and probs.stride(1) == 1, "fp32 rows, contiguous"
+    assert weights.dtype == torch.float32, "fp32 weights"
+    return _launch(weights, None, draws)
+
+
+def tempered_inverse_cdf(
+    logits: torch.Tensor, temperature: torch.Tensor, draws: torch.Tensor
+) -> torch.Tensor:
+    """[num_rows] int64 token ids (`runner.inverse_cdf.tempered_inverse_cdf`'s contract);
+    logits of any float dtype."""
+    assert temperature.dtype == torch.float32 and temperature.shape == logits.shape[:1]
+    return _launch(logits, temperature.contiguous(), draws)
+
+
+def _launch(
+    values: torch.Tensor, temperature: torch.Tensor | None, draws: torch.Tensor
+) -> torch.Tensor:
+    num_rows, vocab_size = values.shape
+    assert values.stride(1) == 1, "contiguous rows"
     assert draws.dtype == torch.float64 and draws.shape == (num_rows,)  # a column is fine
-    out = torch.empty(num_rows, dtype=torch.int64, device=probs.device)
+    out = torch.empty(num_rows, dtype=torch.int64, device=values.device)
     if num_rows == 0:
         return out
     num_chunks = cdiv(vocab_size, CHUNK)
-    totals = torch.empty(num_rows, num_chunks, dtype=torch.int64, device=probs.device)
     grid = (num_rows, num_chunks)
+    totals = torch.empty(num_rows, num_chunks, dtype=torch.int64, device=values.device)
+    tempered = temperature is not None
+    maxes = totals  # unread unless tempered
+    if tempered:
+        maxes = torch.empty(num_rows, num_chunks, dtype=torch.float32, device=values.device)
+        _chunk_max_kernel[grid](values, values.stride(0), temperature, maxes, vocab_size, CHUNK)
+    shape = {"CHUNK": CHUNK, "NUM_CHUNKS_P2": next_power_of_2(num_chunks), "TEMPERED": tempered}
     _chunk_totals_kernel[grid](
-        probs, probs.stride(0), totals, out, vocab_size, PROB_SCALE, CHUNK=CHUNK
+        values,
+        values.stride(0),
+        temperature if tempered else draws,  # unread unless tempered
+        maxes,
+        totals,
+        out,
+        vocab_size,
+        PROB_SCALE,
+        **shape,
     )
     _find_kernel[grid](
-        probs,
-        probs.stride(0),
+        values,
+        values.stride(0),
+        temperature if tempered else draws,
+        maxes,
         draws,
         draws.stride(0),
         totals,
         out,
         vocab_size,
         PROB_SCALE,
-        CHUNK=CHUNK,
-        NUM_CHUNKS_P2=next_power_of_2(num_chunks),
+        **shape,
     )
     return out

@@ -1,13 +1,16 @@
-"""Draw one token per row from its distribution by the inverse CDF: the token where the row's
-cumulative probability first passes its uniform draw times the row's total.
+"""Draw one token per row from its weights by the inverse CDF: the token where the row's running
+sum of weights first passes its uniform draw times the row's total.
 
-The probabilities are counted in fixed point first, each `floor(p * 2**40)` as an int64, so the
-running sums are exact, rise with every token and agree on every device: a token of probability
-zero is never drawn, and the same probabilities and draw give the same token on the CPU, in the
-Triton kernel (`kernels/inverse_cdf.py`, one launch on the GPU) and in this torch formula (the
-CPU's path and the kernel's reference). A token below 2**-40 (1e-12) is never drawn; all of them
-together weigh at most the vocabulary's size times that. The rows need not be normalized (min-p
-zeroes without renormalizing).
+The weights are counted in fixed point first, each `floor(w * 2**40)` as an int64, so the
+running sums are exact, rise with every token and agree on every device: a token of weight zero
+is never drawn, and the same weights and draw give the same token on the CPU, in the Triton
+kernels (`kernels/inverse_cdf.py`, on the GPU) and in the torch formula here (the CPU's path and
+the kernels' reference). The weights need not be normalized: the sampler's are `exp(l - max l)`
+of the tempered logits `l` (its most likely token weighs 1), which min-p and top-k/p zero where
+they cut. A token under 2**-40 (1e-12) of the most likely one's weight is never drawn.
+
+The common case (temperature alone) runs `tempered_inverse_cdf`: on the GPU the weights are
+computed inside the kernels from the logits, which are read three times and never written.
 
 One uniform draw per row replaces the exponential race's one per token: the draws come from the
 host (`random_draws.py`), seeded rows included, so no random-number kernel runs at all.
@@ -20,21 +23,39 @@ import torch
 PROB_SCALE = float(2**40)
 
 
-def inverse_cdf(probs: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
+def inverse_cdf(weights: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
     """[num_rows] int64 token ids: row r's token for the uniform `draws[r]` in [0, 1).
 
-    probs: [num_rows, vocab_size] fp32, non-negative; draws: [num_rows] fp64."""
-    if probs.is_cuda:
+    weights: [num_rows, vocab_size] fp32, non-negative; draws: [num_rows] fp64."""
+    if weights.is_cuda:
         from metrale.kernels.inverse_cdf import inverse_cdf as kernel
 
-        return kernel(probs, draws)
-    return inverse_cdf_torch(probs, draws)
+        return kernel(weights, draws)
+    return inverse_cdf_torch(weights, draws)
 
 
-def inverse_cdf_torch(probs: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
-    counts = (probs * PROB_SCALE).to(torch.int64).cumsum(dim=-1)
+def tempered_inverse_cdf(
+    logits: torch.Tensor, temperature: torch.Tensor, draws: torch.Tensor
+) -> torch.Tensor:
+    """`inverse_cdf` of `tempered_weights(logits, temperature)` (temperature > 0 per row)."""
+    if logits.is_cuda:
+        from metrale.kernels.inverse_cdf import tempered_inverse_cdf as kernel
+
+        return kernel(logits, temperature, draws)
+    return inverse_cdf_torch(tempered_weights(logits, temperature), draws)
+
+
+def tempered_weights(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """`exp(l - max l)` of each row's logits over its temperature: the softmax times the most
+    likely token's inverse probability, so it weighs 1."""
+    scaled = logits / temperature.unsqueeze(1)
+    return torch.exp(scaled - scaled.amax(dim=-1, keepdim=True))
+
+
+def inverse_cdf_torch(weights: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
+    counts = (weights * PROB_SCALE).to(torch.int64).cumsum(dim=-1)
     total = counts[:, -1]
     target = torch.minimum((draws * total.double()).to(torch.int64), total - 1)
     # The number of tokens whose running sum is at most the target: the first token past it.
     ids = torch.searchsorted(counts, target.unsqueeze(1), right=True).squeeze(1)
-    return ids.clamp_(max=probs.shape[-1] - 1)
+    return ids.clamp_(max=weights.shape[-1] - 1)

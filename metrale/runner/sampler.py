@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from metrale.runner.inverse_cdf import inverse_cdf
+from metrale.runner.inverse_cdf import inverse_cdf, tempered_inverse_cdf
 from metrale.runner.random_draws import DRAFT, TOKEN
 from metrale.runner.repeat_penalties import RepeatPenalties, apply_repeat_penalties
 from metrale.runner.truncation import Truncation, truncate
@@ -107,23 +107,26 @@ def _draw(logits: torch.Tensor, meta: SamplingMetadata, rows: RandomRows) -> tor
     if meta.truncation is not None:  # at temperature 1, as llama.cpp's chain has them
         logits = truncate(logits, meta.truncation, rows.draws)
     temperature = torch.where(is_greedy, 1.0, rows.temperature)
-    logits = logits / temperature.unsqueeze(1)
-    if rows.any_top_k_or_p:
-        logits = _apply_top_k_top_p(logits, rows.top_k, rows.top_p)
-    probs = torch.softmax(logits, dim=-1)
-    if rows.any_min_p:
-        threshold = rows.min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
-        probs = probs.masked_fill(probs < threshold, 0.0)
-    sampled_ids = inverse_cdf(probs, rows.draws[:, TOKEN])
-    if meta.drafts is not None:
-        sampled_ids = _check_drafts(probs, sampled_ids, meta.drafts, rows.draws)
+    if not rows.any_top_k_or_p and not rows.any_min_p and meta.drafts is None:
+        sampled_ids = tempered_inverse_cdf(logits, temperature, rows.draws[:, TOKEN])
+    else:
+        logits = logits / temperature.unsqueeze(1)
+        if rows.any_top_k_or_p:
+            logits = _apply_top_k_top_p(logits, rows.top_k, rows.top_p)
+        # The softmax times the inverse of its largest probability: the top token weighs 1.
+        weights = torch.exp(logits - logits.amax(dim=-1, keepdim=True))
+        if rows.any_min_p:
+            weights = weights.masked_fill(weights < rows.min_p.unsqueeze(1), 0.0)
+        sampled_ids = inverse_cdf(weights, rows.draws[:, TOKEN])
+        if meta.drafts is not None:
+            sampled_ids = _check_drafts(weights, sampled_ids, meta.drafts, rows.draws)
     if greedy_ids is None:
         return sampled_ids
     return torch.where(is_greedy, greedy_ids, sampled_ids)
 
 
 def _check_drafts(
-    probs: torch.Tensor, sampled_ids: torch.Tensor, drafts: Drafts, draws: torch.Tensor
+    weights: torch.Tensor, sampled_ids: torch.Tensor, drafts: Drafts, draws: torch.Tensor
 ) -> torch.Tensor:
     """Rejection sampling of drafts that came with no distribution (prompt lookup: a point
     mass): a row keeps its draft with the probability its target distribution gives the draft,
@@ -131,9 +134,9 @@ def _check_drafts(
     `max(0, p - q)` renormalized. Either way the row's token follows the target distribution,
     and the next row's draft counts only if this one was kept (the host stops at the first
     replaced row). Greedy rows keep their argmax, the same rule at temperature 0."""
-    # probs: [num_rows, vocab_size], unnormalized (min-p zeroes without renormalizing)
+    # weights: [num_rows, vocab_size], the unnormalized distributions
     rows, draft_ids = drafts.rows, drafts.token_ids
-    p = probs.index_select(0, rows)  # [num_draft_rows, vocab_size]
+    p = weights.index_select(0, rows)  # [num_draft_rows, vocab_size]
     p_draft = p.gather(1, draft_ids.unsqueeze(1)).squeeze(1)
     row_draws = draws.index_select(0, rows)
     kept = row_draws[:, DRAFT] * p.sum(dim=-1) < p_draft
