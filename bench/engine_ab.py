@@ -1,9 +1,9 @@
 """The engine core alone, for A/B runs of two packages: the serving bench's workload (`--streams`
-requests of `--prompt-len` random ids and `--output-len` greedy tokens, EOS ignored) stepped by
-`EngineCore.step` in this process, `--rounds` times on one engine, on random weights of
-Qwen3-0.6B's shape. Prints one JSON line: output tok/s and ms per step of each round, and the
-time of every step. Each round runs the same schedule (greedy, the same prompts, the same step
-sequence), so step i of one package and step i of the other do the same work: the median and
+requests of `--prompt-len` random ids and `--output-len` tokens, greedy or at `--temperature`,
+EOS ignored) stepped by `EngineCore.step` in this process, `--rounds` times on one engine, on
+random weights of Qwen3-0.6B's shape. Prints one JSON line: output tok/s and ms per step of
+each round, and the time of every step. Each round runs the same schedule (the same prompts,
+the same step sequence), so step i of one package and step i of the other do the same work: the median and
 10th percentile of the steps' times (noise only ever adds time) resolve differences that
 wall-clock throughput, spread ±10% between rounds, does not.
 
@@ -35,6 +35,8 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument("--seeded", action="store_true", help="request i seeded with i")
     args = parser.parse_args()
     core = engine(QWEN3_06B, max_num_seqs=args.streams, max_seq_len=2048)
     g = torch.Generator().manual_seed(0)
@@ -42,11 +44,19 @@ def main() -> None:
         torch.randint(0, 4096, (args.prompt_len,), generator=g).tolist()
         for _ in range(args.streams)
     ]
-    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    params = [
+        SamplingParams(
+            temperature=args.temperature,
+            max_tokens=args.output_len,
+            ignore_eos=True,
+            seed=i if args.seeded else None,
+        )
+        for i in range(args.streams)
+    ]
     rounds = []
     for r in range(args.rounds + 1):  # the first warms up
         for i, prompt in enumerate(prompts):
-            core.add_request(EngineRequest(f"r{r}-{i}", prompt, params, 0.0))
+            core.add_request(EngineRequest(f"r{r}-{i}", prompt, params[i], 0.0))
         torch.cuda.synchronize()
         start, tokens, step_ms = time.perf_counter(), 0, []
         while core.has_unfinished_requests():
@@ -67,7 +77,7 @@ def main() -> None:
                 }
             )
     release(core)
-    print(json.dumps({"label": args.label, "rounds": rounds}))
+    print(json.dumps({"label": args.label, "sampling": vars(args), "rounds": rounds}))
 
 
 if __name__ == "__main__":

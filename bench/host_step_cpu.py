@@ -1,0 +1,126 @@
+"""A large batch's decode step on a CPU, where the model is too small to matter: what the engine's
+host work and its sampling cost per step. 256 requests (128-token prompts, 64 output tokens, EOS
+ignored) on a 2-layer Qwen3 of hidden 64 and a vocabulary of 8,192, built here; `--sampling`
+greedy, sampled at temperature 0.6, or sampled with every request seeded (B2's sampling).
+
+Prints one JSON line: the median wall ms of a decode step, and ms a step in the engine's parts
+(each timed around its call: scheduling, the runner's input buffers, the sampler's inputs, the
+whole launch with the forward and the sampling, the update).
+
+    python bench/host_step_cpu.py [--sampling greedy|sampled|seeded] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+from metrale import LLM, SamplingParams
+from metrale.engine.messages import EngineRequest
+from metrale.engine.scheduler import Scheduler
+from metrale.runner.model_runner import ModelRunner
+from metrale.runner.sampling_inputs import SamplingInputs
+
+ROOT = Path(__file__).resolve().parent
+STREAMS = 256
+PARTS = {
+    "schedule": (Scheduler, "schedule"),
+    "fill_inputs": (ModelRunner, "_fill_inputs"),
+    "sampling_inputs": (SamplingInputs, "prepare"),
+    "launch": (ModelRunner, "launch"),
+    "update": (Scheduler, "update"),
+}
+
+
+def checkpoint(path: Path) -> Path:
+    torch.manual_seed(0)
+    config = transformers.Qwen3Config(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        vocab_size=8192,
+        max_position_embeddings=4096,
+    )
+    transformers.Qwen3ForCausalLM(config).save_pretrained(path)
+    tokenizer_dir = ROOT.parent / "metrale" / "demo" / "tokenizer"
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (path / name).write_bytes((tokenizer_dir / name).read_bytes())
+    return path
+
+
+def timed_parts() -> collections.Counter:
+    """Wrap each part's function to add its seconds to the returned counter."""
+    seconds: collections.Counter = collections.Counter()
+    for label, (owner, name) in PARTS.items():
+        fn = getattr(owner, name)
+
+        def timed(*args, _fn=fn, _label=label, **kwargs):
+            start = time.perf_counter()
+            try:
+                return _fn(*args, **kwargs)
+            finally:
+                seconds[_label] += time.perf_counter() - start
+
+        setattr(owner, name, timed)
+    return seconds
+
+
+def decode_steps(llm: LLM, sampling: str, tag: str) -> list[float]:
+    """Wall seconds of each step after the one that prefills every prompt."""
+    g = torch.Generator().manual_seed(0)
+    for i in range(STREAMS):
+        params = SamplingParams(
+            temperature=0.0 if sampling == "greedy" else 0.6,
+            max_tokens=64,
+            ignore_eos=True,
+            seed=i if sampling == "seeded" else None,
+        )
+        prompt = torch.randint(10, 4000, (128,), generator=g).tolist()
+        llm.engine.add_request(EngineRequest(f"{tag}-{i}", prompt, params, 0.0))
+    llm.engine.step()
+    times = []
+    while llm.engine.has_unfinished_requests():
+        start = time.perf_counter()
+        llm.engine.step()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sampling", choices=["greedy", "sampled", "seeded"], default="seeded")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        llm = LLM(
+            str(checkpoint(Path(tmp))),
+            max_num_seqs=STREAMS,
+            max_seq_len=2048,
+            max_num_batched_tokens=STREAMS * 128,
+            max_prefill_tokens=STREAMS * 128,
+            enable_prefix_caching=False,
+        )
+        decode_steps(llm, args.sampling, "warm")
+        seconds = timed_parts()
+        rounds = []
+        for r in range(args.rounds):
+            seconds.clear()
+            times = decode_steps(llm, args.sampling, f"r{r}")
+            parts = {k: round(1e3 * v / len(times), 3) for k, v in seconds.items()}
+            rounds.append({"step_ms_median": 1e3 * statistics.median(times), "parts_ms": parts})
+    print(json.dumps({"sampling": args.sampling, "streams": STREAMS, "rounds": rounds}))
+
+
+if __name__ == "__main__":
+    main()
