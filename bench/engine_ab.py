@@ -3,9 +3,9 @@ requests of `--prompt-len` random ids and `--output-len` tokens, greedy or at `-
 EOS ignored) stepped by `EngineCore.step` in this process, `--rounds` times on one engine, on
 random weights of Qwen3-0.6B's shape. Prints one JSON line: output tok/s and ms per step of
 each round, and the time of every step. Each round runs the same schedule (the same prompts,
-the same step sequence), so step i of one package and step i of the other do the same work: the median and
-10th percentile of the steps' times (noise only ever adds time) resolve differences that
-wall-clock throughput, spread ±10% between rounds, does not.
+the same step sequence), so step i of one package and step i of the other do the same work:
+the median and 10th percentile of the steps' times (noise only ever adds time) resolve
+differences that wall-clock throughput, spread ±10% between rounds, does not.
 
 Which package runs is PYTHONPATH's choice, so the telemetry's cost in the engine (its step
 figures, the runner's timing events) is measured without HTTP or IPC in the way:
