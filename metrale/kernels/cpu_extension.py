@@ -16,6 +16,9 @@ ops (`metrale_cpu::*`) eager code and compiled graphs call as they are:
 - `store_kv`: a compiled decode step's keys and values written to their slots of the pool, one
   call a layer (the torch formula's two `index_copy_` through views took 37-54 us a call, most
   of it dispatch).
+- `tempered_inverse_cdf`: a sampled row's token drawn from its float32 logits and temperature
+  (`runner/inverse_cdf.py`), three passes over the row where torch's formula makes six, four
+  of them writing row-sized tensors (16 rows of a 151,936-token vocabulary: ~5-17 ms a step).
 - `silu_and_mul`, `rms_norm` / `add_rms_norm` and `rotary_`: the operators around the products
   of an eager step (prompts chiefly), each one pass where torch takes two to five (`takes` says
   where they run).

@@ -10,7 +10,9 @@ of the tempered logits `l` (its most likely token weighs 1), which min-p and top
 they cut. A token under 2**-40 (1e-12) of the most likely one's weight is never drawn.
 
 The common case (temperature alone) runs `tempered_inverse_cdf`: on the GPU the weights are
-computed inside the kernels from the logits, which are read three times and never written.
+computed inside the kernels from the logits, which are read three times and never written; on
+a CPU one C++ op (`kernels/cpu/inverse_cdf.cpp`) does the same, row by row, and returns this
+formula's tokens.
 
 One uniform draw per row replaces the exponential race's one per token: the draws come from the
 host (`random_draws.py`), seeded rows included, so no random-number kernel runs at all.
@@ -19,6 +21,8 @@ host (`random_draws.py`), seeded rows included, so no random-number kernel runs 
 from __future__ import annotations
 
 import torch
+
+from metrale.kernels import cpu_extension
 
 PROB_SCALE = float(2**40)
 
@@ -42,6 +46,8 @@ def tempered_inverse_cdf(
         from metrale.kernels.inverse_cdf import tempered_inverse_cdf as kernel
 
         return kernel(logits, temperature, draws)
+    if logits.dtype == torch.float32 and logits.stride(1) == 1 and cpu_extension.enabled():
+        return torch.ops.metrale_cpu.tempered_inverse_cdf(logits, temperature.contiguous(), draws)
     return inverse_cdf_torch(tempered_weights(logits, temperature), draws)
 
 
