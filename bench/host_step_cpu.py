@@ -1,13 +1,15 @@
-"""A large batch's decode step on a CPU, where the model is too small to matter: what the engine's
-host work and its sampling cost per step. 256 requests (128-token prompts, 64 output tokens, EOS
-ignored) on a 2-layer Qwen3 of hidden 64 and a vocabulary of 8,192, built here; `--sampling`
-greedy, sampled at temperature 0.6, or sampled with every request seeded (B2's sampling).
+"""A batch's decode step on a CPU by part. By default where the model is too small to matter, so
+the engine's host work and its sampling show: 256 requests (128-token prompts, 64 output tokens,
+EOS ignored) on a 2-layer Qwen3 of hidden 64 and a vocabulary of 8,192, built here; or
+`--model` (a directory or a GGUF file) with `--streams` requests. `--sampling` greedy, sampled at
+temperature 0.6, or sampled with every request seeded (B2's sampling).
 
 Prints one JSON line: the median wall ms of a decode step, and ms a step in the engine's parts
 (each timed around its call: scheduling, the runner's input buffers, the sampler's inputs, the
 whole launch with the forward and the sampling, the update).
 
     python bench/host_step_cpu.py [--sampling greedy|sampled|seeded] [--rounds 3]
+        [--model PATH --streams 16]
 """
 
 from __future__ import annotations
@@ -30,7 +32,6 @@ from metrale.runner.model_runner import ModelRunner
 from metrale.runner.sampling_inputs import SamplingInputs
 
 ROOT = Path(__file__).resolve().parent
-STREAMS = 256
 PARTS = {
     "schedule": (Scheduler, "schedule"),
     "fill_inputs": (ModelRunner, "_fill_inputs"),
@@ -76,10 +77,10 @@ def timed_parts() -> collections.Counter:
     return seconds
 
 
-def decode_steps(llm: LLM, sampling: str, tag: str) -> list[float]:
+def decode_steps(llm: LLM, streams: int, sampling: str, tag: str) -> list[float]:
     """Wall seconds of each step after the one that prefills every prompt."""
     g = torch.Generator().manual_seed(0)
-    for i in range(STREAMS):
+    for i in range(streams):
         params = SamplingParams(
             temperature=0.0 if sampling == "greedy" else 0.6,
             max_tokens=64,
@@ -101,25 +102,32 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sampling", choices=["greedy", "sampled", "seeded"], default="seeded")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--model", help="default: the tiny Qwen3 built here")
+    parser.add_argument("--streams", type=int, default=256)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         llm = LLM(
-            str(checkpoint(Path(tmp))),
-            max_num_seqs=STREAMS,
+            args.model or str(checkpoint(Path(tmp))),
+            max_num_seqs=args.streams,
             max_seq_len=2048,
-            max_num_batched_tokens=STREAMS * 128,
-            max_prefill_tokens=STREAMS * 128,
+            max_num_batched_tokens=args.streams * 128,
+            max_prefill_tokens=args.streams * 128,
             enable_prefix_caching=False,
         )
-        decode_steps(llm, args.sampling, "warm")
+        decode_steps(llm, args.streams, args.sampling, "warm")
         seconds = timed_parts()
         rounds = []
         for r in range(args.rounds):
             seconds.clear()
-            times = decode_steps(llm, args.sampling, f"r{r}")
+            times = decode_steps(llm, args.streams, args.sampling, f"r{r}")
             parts = {k: round(1e3 * v / len(times), 3) for k, v in seconds.items()}
             rounds.append({"step_ms_median": 1e3 * statistics.median(times), "parts_ms": parts})
-    print(json.dumps({"sampling": args.sampling, "streams": STREAMS, "rounds": rounds}))
+    model = args.model or "tiny Qwen3"
+    print(
+        json.dumps(
+            {"model": model, "sampling": args.sampling, "streams": args.streams, "rounds": rounds}
+        )
+    )
 
 
 if __name__ == "__main__":
