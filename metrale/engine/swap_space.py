@@ -11,8 +11,9 @@ is recomputed as before. `--preemption-mode swap` swaps whenever there is room (
 tests use it), `recompute` never.
 
 Only the blocks move: the request itself (its tokens, sampling and penalty state, grammar,
-thinking counters, watchdog, seed's generator in the runner, deadline) stays where it is, in the
-scheduler's queue, so nothing needs carrying across. Host blocks are read and written only by
+thinking counters, watchdog, deadline) stays where it is, in the scheduler's queue, so nothing
+needs carrying across; a seeded request's draws follow from its seed and positions alone
+(`runner/random_draws.py`). Host blocks are read and written only by
 copies queued on the device's stream, in step order: a host block freed at a swap-in may be
 taken by the next swap-out at once.
 """

@@ -130,7 +130,7 @@ def test_swap_to_host(case, scheduling, max_prefill_tokens, prefix_caching):
 @SCHEDULING
 @pytest.mark.parametrize("preemption_mode", ["swap", "recompute"])
 def test_seeded_sampling_is_the_same_under_a_preemption_storm(case, scheduling, preemption_mode):
-    """A request's seeded generator, penalties' history and everything else it carries survive
+    """A request's seeded draws, penalties' history and everything else it carries survive
     being swapped out and back (or recomputed): each request samples what it samples alone."""
     model_dir, prompts, _ = case
     params = [
