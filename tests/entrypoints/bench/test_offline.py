@@ -59,3 +59,19 @@ def test_latency_times_each_iteration(tmp_path):
     assert len(doc["latencies"]) == 3
     assert doc["percentiles"]["10"] <= doc["percentiles"]["50"] <= doc["percentiles"]["99"]
     assert min(doc["latencies"]) <= doc["avg_latency"] <= max(doc["latencies"])
+
+
+def test_offline_samples_at_the_given_temperature(tmp_path, capsys):
+    """Sampled requests (vLLM's benches sample at temperature 1) still run their forced length;
+    the result says how they sampled. A temperature the engine refuses is an error, before any
+    engine loads."""
+    out = tmp_path / "t.json"
+    args = ["bench", "offline", "--num-prompts", "3", "--input-len", "8", "--output-len", "6"]
+    assert main([*args, "--temperature", "1.0", "--result-file", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["total_output_tokens"] == 18 and doc["temperature"] == 1.0
+    capsys.readouterr()
+    for command in ("offline", "latency"):
+        assert main(["bench", command, "--temperature", "-1"]) == 2
+        err = capsys.readouterr().err
+        assert "temperature" in err and "engine ready" not in err

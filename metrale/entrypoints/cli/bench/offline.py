@@ -3,8 +3,8 @@
 `offline` hands every sample to `LLM.generate` at once and reports requests/s and tokens/s, as
 `vllm bench throughput` does; `latency` times batches of `--batch-size` prompts of random token
 ids end to end, warm-up iterations first, as `vllm bench latency` does. Both force the output
-length (`ignore_eos`) so every run does the same work; `--load-format dummy` runs any
-config.json on random weights.
+length (`ignore_eos`) so every run does the same work, greedy unless `--temperature` (vLLM's
+two sample at temperature 1); `--load-format dummy` runs any config.json on random weights.
 """
 
 from __future__ import annotations
@@ -36,6 +36,12 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--result-file", type=Path, help="write the results as JSON here")
     parser.add_argument("--no-warmup", action="store_true", help="offline: skip the warm-up")
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="every request's sampling temperature (default 0: greedy; vLLM's benches sample at 1)",
+    )
     EngineArgs.add_cli_args(parser)
 
 
@@ -57,11 +63,13 @@ def add_latency_arguments(parser: argparse.ArgumentParser) -> None:
 def run_offline(args: argparse.Namespace) -> int:
     from metrale import SamplingParams
 
+    SamplingParams(temperature=args.temperature)  # a bad one refused before the engine loads
     llm = _engine(args)
     spec = dataset_spec(args)
     samples = sample_requests(spec, llm.get_tokenizer())
     params = [
-        SamplingParams(max_tokens=s.output_len, temperature=0, ignore_eos=True) for s in samples
+        SamplingParams(max_tokens=s.output_len, temperature=args.temperature, ignore_eos=True)
+        for s in samples
     ]
     if not args.no_warmup:
         llm.generate(samples[0].prompt, SamplingParams(max_tokens=4), use_tqdm=False)
@@ -78,6 +86,7 @@ def run_offline(args: argparse.Namespace) -> int:
         "requests_per_second": len(samples) / elapsed,
         "tokens_per_second": (prompt_tokens + output_tokens) / elapsed,
         "output_tokens_per_second": output_tokens / elapsed,
+        "temperature": args.temperature,
     }
     print(
         f"Throughput: {result['requests_per_second']:.2f} requests/s, "
@@ -93,10 +102,12 @@ def run_latency(args: argparse.Namespace) -> int:
 
     if min(args.input_len, args.output_len, args.batch_size, args.num_iters) < 1:
         raise ValueError("--input-len, --output-len, --batch-size and --num-iters must be >= 1")
+    params = SamplingParams(
+        max_tokens=args.output_len, temperature=args.temperature, ignore_eos=True
+    )
     llm = _engine(args)
     vocab = llm.get_tokenizer().vocab_size
     rng = random.Random(args.seed)
-    params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
 
     def one_batch() -> float:
         prompts = [
@@ -114,6 +125,7 @@ def run_latency(args: argparse.Namespace) -> int:
         "latencies": latencies.tolist(),
         "percentiles": {str(p): float(np.percentile(latencies, p)) for p in LATENCY_PERCENTILES},
         "output_tokens_per_second": args.batch_size * args.output_len / float(latencies.mean()),
+        "temperature": args.temperature,
     }
     print(f"Avg latency: {result['avg_latency']:.4f} seconds")
     for p, value in result["percentiles"].items():
