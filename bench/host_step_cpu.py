@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from profile_cpu import timed_decode_steps
 
 from metrale import LLM, SamplingParams
 from metrale.engine.messages import EngineRequest
@@ -89,13 +90,7 @@ def decode_steps(llm: LLM, streams: int, sampling: str, tag: str) -> list[float]
         )
         prompt = torch.randint(10, 4000, (128,), generator=g).tolist()
         llm.engine.add_request(EngineRequest(f"{tag}-{i}", prompt, params, 0.0))
-    llm.engine.step()
-    times = []
-    while llm.engine.has_unfinished_requests():
-        start = time.perf_counter()
-        llm.engine.step()
-        times.append(time.perf_counter() - start)
-    return times
+    return timed_decode_steps(llm)
 
 
 def main() -> None:

@@ -80,7 +80,13 @@ def decode_steps(llm: LLM, streams: int, tag: str, prompt_len: int = 128) -> lis
     """Wall seconds of each step after the prompts are in (decode steps only: the engine's
     prefill budget must hold all the prompts)."""
     add(llm, streams, tag, prompt_len)
-    llm.engine.step()  # the prefill (16 x 128 tokens fit one step's budget)
+    return timed_decode_steps(llm)
+
+
+def timed_decode_steps(llm: LLM) -> list[float]:
+    """Wall seconds of each step after the next one, which prefills the prompts just added (the
+    engine's prefill budget must hold them all)."""
+    llm.engine.step()
     times = []
     while llm.engine.has_unfinished_requests():
         start = time.perf_counter()
