@@ -15,6 +15,8 @@ import torch
 
 from metrale.runner.random_draws import NUM_DRAWS
 
+ROW_PARAMS = ("temperature", "top_k", "top_p", "min_p")  # the sampling parameters of each row
+
 
 def to_device(values: np.ndarray | list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A step's small, variable-sized host values on the device without waiting for it: staged
@@ -64,8 +66,6 @@ class InputBuffers:
         self.pending_dst = InputBuffer((max_num_seqs,), torch.int64, device)
         self.pending_src = InputBuffer((max_num_seqs,), torch.int64, device)
         # The sampling parameters of each row.
-        self.temperature = InputBuffer((max_num_tokens,), torch.float32, device)
-        self.top_k = InputBuffer((max_num_tokens,), torch.int64, device)
-        self.top_p = InputBuffer((max_num_tokens,), torch.float32, device)
-        self.min_p = InputBuffer((max_num_tokens,), torch.float32, device)
+        # Columns `ROW_PARAMS` (top_k as a float: exact below 2**24), so one copy moves them.
+        self.row_params = InputBuffer((max_num_tokens, len(ROW_PARAMS)), torch.float32, device)
         self.draws = InputBuffer((max_num_tokens, NUM_DRAWS), torch.float64, device)

@@ -46,7 +46,7 @@ class RandomRows:
     """The per-row parameters of a batch in which some row draws at random."""
 
     temperature: torch.Tensor  # [num_rows] fp32; 0 marks a greedy row
-    top_k: torch.Tensor  # [num_rows] int64; vocab size where disabled
+    top_k: torch.Tensor  # [num_rows] fp32, a whole number; vocab size where disabled
     top_p: torch.Tensor  # [num_rows] fp32
     min_p: torch.Tensor  # [num_rows] fp32
     draws: torch.Tensor  # [num_rows, NUM_DRAWS] fp64 in [0, 1) (`random_draws.py`'s columns)
@@ -102,11 +102,14 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
 
 def _draw(logits: torch.Tensor, meta: SamplingMetadata, rows: RandomRows) -> torch.Tensor:
     """The batch's tokens: its greedy rows' argmax, the others drawn from their distribution."""
-    greedy_ids = logits.argmax(dim=-1) if rows.any_greedy else None
-    is_greedy = rows.temperature == 0
+    greedy_ids = is_greedy = None
+    temperature = rows.temperature
+    if rows.any_greedy:  # drawn at temperature 1, then replaced by their argmax
+        greedy_ids = logits.argmax(dim=-1)
+        is_greedy = temperature == 0
+        temperature = torch.where(is_greedy, 1.0, temperature)
     if meta.truncation is not None:  # at temperature 1, as llama.cpp's chain has them
         logits = truncate(logits, meta.truncation, rows.draws)
-    temperature = torch.where(is_greedy, 1.0, rows.temperature)
     if not rows.any_top_k_or_p and not rows.any_min_p and meta.drafts is None:
         sampled_ids = tempered_inverse_cdf(logits, temperature, rows.draws[:, TOKEN])
     else:
@@ -120,7 +123,7 @@ def _draw(logits: torch.Tensor, meta: SamplingMetadata, rows: RandomRows) -> tor
         sampled_ids = inverse_cdf(weights, rows.draws[:, TOKEN])
         if meta.drafts is not None:
             sampled_ids = _check_drafts(weights, sampled_ids, meta.drafts, rows.draws)
-    if greedy_ids is None:
+    if is_greedy is None:
         return sampled_ids
     return torch.where(is_greedy, greedy_ids, sampled_ids)
 

@@ -1,10 +1,11 @@
 """What the sampler reads each step, built from the step's sampling chunks.
 
-One row per sampled position: a chunk's own, and one more for each of its drafts. The
-per-row parameters go through the runner's pinned input buffers (`temperature`, `top_k`,
-`top_p`, `min_p`); the rarer inputs (logit bias, truncation, penalties, drafts, grammar masks)
-are built only for the rows that ask for them, and are None (or absent) when none does, so a
-plain batch pays for no pass it does not use.
+One row per sampled position: a chunk's own, and one more for each of its drafts. Where some
+row draws at random, the per-row parameters (`temperature`, `top_k`, `top_p`, `min_p`) and the
+rows' draws go through the runner's pinned input buffers, two copies a step; the rarer inputs
+(logit bias, truncation, penalties, drafts, grammar masks) are built only for the rows that ask
+for them, and are None (or absent) when none does, so a plain batch pays for no pass it does
+not use.
 """
 
 from __future__ import annotations
@@ -122,19 +123,20 @@ class SamplingInputs:
             return None
         b = self.buffers
         n = len(params)
-        b.temperature.np[:n] = [p.temperature for p in params]
-        b.top_k.np[:n] = [p.top_k or self.vocab_size for p in params]
-        b.top_p.np[:n] = [p.top_p for p in params]
-        b.min_p.np[:n] = [p.min_p for p in params]
+        vocab_size = self.vocab_size
+        b.row_params.np[:n] = [
+            (p.temperature, p.top_k or vocab_size, p.top_p, p.min_p) for p in params
+        ]
         if positions is None:
             positions = [c.start_pos + len(c.token_ids) for c in chunks]
         seeds = [None if g else p.seed for g, p in zip(greedy, params, strict=True)]
         self.random_draws.fill(b.draws.np, seeds, positions)
+        temperature, top_k, top_p, min_p = b.row_params.copy_to_device(n).unbind(1)
         return RandomRows(
-            temperature=b.temperature.copy_to_device(n),
-            top_k=b.top_k.copy_to_device(n),
-            top_p=b.top_p.copy_to_device(n),
-            min_p=b.min_p.copy_to_device(n),
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
             draws=b.draws.copy_to_device(n),
             any_greedy=any(greedy),
             any_top_k_or_p=any(p.top_k > 0 or p.top_p < 1.0 for p in params),

@@ -49,7 +49,7 @@ class Truncation:
 
 def truncate(logits: torch.Tensor, t: Truncation, draws: torch.Tensor) -> torch.Tensor:
     """`logits` with the truncated tokens of `t`'s rows at -inf (the others as they were);
-    `draws` the batch's (`SamplingMetadata.draws`)."""
+    `draws` the batch's (`RandomRows.draws`)."""
     # logits: [num_rows, vocab_size] fp32
     sub = logits.index_select(0, t.rows)
     if t.any_top_n_sigma:
