@@ -174,7 +174,7 @@ def default_max_tokens(state: ServerState, num_prompt_tokens: int) -> int:
     return max(state.config.scheduler.max_seq_len - num_prompt_tokens, 1)
 
 
-async def stream_deltas(
+def stream_deltas(
     state: ServerState,
     prompts: list[PreparedPrompt],
     admission: Admission | None = None,
@@ -187,23 +187,23 @@ async def stream_deltas(
     A choice ends with the first delta that is finished when the consumer hands control back:
     the engine finished it, or the consumer marked it finished (a stop only the API can see,
     as `ChatOutputParser.take` does), which aborts its engine request."""
-    async for item in until_deadline(_merged_deltas(state, prompts, admission), timeout_s):
-        yield item
+    return until_deadline(_merged_deltas(state, prompts, admission), timeout_s)
 
 
-async def until_deadline(stream: AsyncIterator[T], timeout_s: float | None) -> AsyncIterator[T]:
-    """`stream`'s items until `timeout_s` from now, then TimeoutError.
+def until_deadline(stream: AsyncIterator[T], timeout_s: float | None) -> AsyncIterator[T]:
+    """`stream`'s items until `timeout_s` from the first wait for one, then TimeoutError;
+    without a timeout, `stream` itself (no layer that every item passes through).
 
     The deadline is only armed while the next item is awaited, never across a `yield`: an
     `asyncio.timeout` around a streaming loop can fire while the consumer is sending a frame,
     and then it cancels the send instead, cutting the response off without its end.
     """
+    return stream if timeout_s is None else _until_deadline(stream, timeout_s)
+
+
+async def _until_deadline(stream: AsyncIterator[T], timeout_s: float) -> AsyncIterator[T]:
     iterator = aiter(stream)
     try:
-        if timeout_s is None:
-            async for item in iterator:
-                yield item
-            return
         deadline = asyncio.get_running_loop().time() + timeout_s
         while True:
             async with asyncio.timeout_at(deadline):
