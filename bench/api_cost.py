@@ -91,26 +91,30 @@ def start(package: Path, model: Path, streams: int, extra: list[str], log: Path,
     return process, port
 
 
-async def _stream_one(port: int, body: bytes) -> tuple[int, int]:
-    """One streamed completion over a fresh connection: (SSE data events, bytes received)."""
+async def _stream_one(port: int, body: bytes, start: float) -> tuple[int, float]:
+    """One streamed completion over a fresh connection: (SSE data events, seconds from `start`
+    to its first event)."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(
         b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
         b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body)
     )
     received = b""
+    first = None
     while chunk := await reader.read(65536):
         received += chunk
+        if first is None and b"data: {" in received:
+            first = time.perf_counter() - start
     writer.close()
     if not received.startswith(b"HTTP/1.1 200"):
         raise RuntimeError(received[:300].decode(errors="replace"))
-    return received.count(b"data: {"), len(received)
+    return received.count(b"data: {"), first if first is not None else float("nan")
 
 
 def drive(port: int, model: str, prompts: list[list[int]], output_len: int) -> dict:
     """Every prompt streamed at once (run in the load process)."""
 
-    async def run() -> list[tuple[int, int]]:
+    async def run() -> list[tuple[int, float]]:
         bodies = [
             json.dumps(
                 {
@@ -124,11 +128,17 @@ def drive(port: int, model: str, prompts: list[list[int]], output_len: int) -> d
             ).encode()
             for p in prompts
         ]
-        return await asyncio.gather(*(_stream_one(port, b) for b in bodies))
+        return await asyncio.gather(*(_stream_one(port, b, start) for b in bodies))
 
     start = time.perf_counter()
     results = asyncio.run(run())
-    return {"seconds": time.perf_counter() - start, "events": sum(e for e, _ in results)}
+    firsts = sorted(f for _, f in results)
+    return {
+        "seconds": time.perf_counter() - start,
+        "events": sum(e for e, _ in results),
+        "ttft_median_s": firsts[len(firsts) // 2],
+        "ttft_max_s": firsts[-1],
+    }
 
 
 def _pin_load(cpus: set[int]) -> None:
@@ -148,6 +158,8 @@ def measure(pool, pid: int, port: int, model: str, prompts, output_len: int) -> 
         "api_us_per_event": 1e6 * cpu / result["events"],
         "api_ms_per_request": 1e3 * cpu / len(prompts),
         "api_busy": cpu / result["seconds"],
+        "ttft_median_ms": 1e3 * result["ttft_median_s"],
+        "ttft_max_ms": 1e3 * result["ttft_max_s"],
     }
 
 
@@ -203,7 +215,8 @@ def main() -> None:
                     f"{stream['events_per_token']:.2f} events a token, API "
                     f"{stream['api_ms_per_1k_tokens']:.1f} ms per 1k tokens, "
                     f"{stream['api_us_per_event']:.1f} us an event, busy "
-                    f"{stream['api_busy']:.0%}; one-token requests: API "
+                    f"{stream['api_busy']:.0%}, TTFT median / max {stream['ttft_median_ms']:.0f} / "
+                    f"{stream['ttft_max_ms']:.0f} ms; one-token requests: API "
                     f"{requests['api_ms_per_request']:.2f} ms a request",
                     flush=True,
                 )
@@ -225,6 +238,7 @@ def main() -> None:
             "events_per_token": median(name, "stream", "events_per_token"),
             "tokens_per_s": median(name, "stream", "tokens_per_s"),
             "api_ms_per_request": median(name, "requests", "api_ms_per_request"),
+            "ttft_max_ms": median(name, "stream", "ttft_max_ms"),
         }
         for name in servers
     }

@@ -6,7 +6,10 @@
 through `LLM.generate` in a process of its own with the same engine flags, on the same GPU,
 in alternating rounds (the two engines' KV pools are sized by `--num-kv-blocks`, so both fit).
 Both are timed from the first request to the last token. Also the server's API and engine
-processes' CPU time per thousand output tokens. The model: random weights of Qwen3-0.6B's
+processes' CPU time per thousand output tokens, and from the server's access log how the
+round's requests arrived: the spread of the times the server began reading them, and their
+TTFT as the server measured it. `--package DIR` serves another metrale/ (the offline reference
+stays this checkout's). The model: random weights of Qwen3-0.6B's
 shape (the demo tokenizer's vocabulary, so every id decodes), where the API process's share
 of the work is the largest, or `--llama-8b`.
 
@@ -21,6 +24,7 @@ import json
 import multiprocessing
 import os
 import random
+import re
 import signal
 import statistics
 import subprocess
@@ -63,6 +67,37 @@ def offline_worker(model: str, flags: dict, prompts: list[list[int]], output_len
         pipe.send((sum(len(o.outputs[0].token_ids) for o in outputs), seconds))
 
 
+_ACCESS = re.compile(
+    r"^(\S+ \S+) .* POST /v1/completions 200 .* generated=(\d+) ttft=([\d.]+)s total=([\d.]+)s"
+)
+
+
+def arrivals(log: Path, skip_lines: int, output_len: int) -> tuple[dict[str, float], int]:
+    """How the requests logged after line `skip_lines` of the server's log arrived (those that
+    generated `output_len` tokens): ms from the first to the median and the last start (when
+    the server began reading each), and the server's TTFT median and max. Also the log's line
+    count, for the next round."""
+    lines = log.read_text().splitlines()
+    starts, ttfts = [], []
+    for line in lines[skip_lines:]:
+        match = _ACCESS.match(line)
+        if match is None or int(match[2]) != output_len:
+            continue
+        end = datetime.datetime.strptime(match[1], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        starts.append(end - float(match[4]))
+        ttfts.append(float(match[3]))
+    if not starts:
+        return {}, len(lines)
+    starts.sort()
+    ttfts.sort()
+    return {
+        "start_spread_median_ms": 1e3 * (starts[len(starts) // 2] - starts[0]),
+        "start_spread_max_ms": 1e3 * (starts[-1] - starts[0]),
+        "server_ttft_median_ms": 1e3 * ttfts[len(ttfts) // 2],
+        "server_ttft_max_ms": 1e3 * ttfts[-1],
+    }, len(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--streams", type=int, default=256)
@@ -72,6 +107,8 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=8, help="load-generating processes")
     parser.add_argument("--num-kv-blocks", type=int, default=8192, help="each engine's pool")
     parser.add_argument("--llama-8b", action="store_true", help="Llama-3.1-8B's shape instead")
+    parser.add_argument("--package", type=Path, default=REPO, help="the metrale/ to serve")
+    parser.add_argument("--label", default="", help="appended to the results file's name")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ROOT / "results")))
     args = parser.parse_args()
 
@@ -94,7 +131,8 @@ def main() -> None:
     placement = Placement(True, 1)
     if placement.enabled:
         os.sched_setaffinity(0, placement.clients(0))
-    process, url = start(REPO, model, True, serve_flags, logs / "server.log", placement, 0)
+    package = args.package.resolve()
+    process, url = start(package, model, True, serve_flags, logs / "server.log", placement, 0)
     spawn = multiprocessing.get_context("spawn")
     ours, theirs = spawn.Pipe()
     offline = spawn.Process(
@@ -110,6 +148,7 @@ def main() -> None:
             slot = placement.slots[0]
             os.sched_setaffinity(offline.pid, slot.api | slot.engine)
         load(pool, url, prompts[:16], 16, events=False)  # warm up
+        log_lines = 0
         for i in range(args.rounds):
             ours.send(True)
             tokens, seconds = ours.recv()
@@ -121,6 +160,9 @@ def main() -> None:
                 "server_cpu_ms_per_1k_tokens": server["cpu_ms_per_1k_tokens"],
                 "api_busy": server["api_busy"],
             }
+            time.sleep(0.5)  # the access log's last lines written
+            spread, log_lines = arrivals(logs / "server.log", log_lines, args.output_len)
+            entry["arrivals"] = spread
             rounds.append(entry)
             print(f"round {i}: {json.dumps(entry)}", flush=True)
         ours.send(False)
@@ -144,7 +186,8 @@ def main() -> None:
         "git_sha": git_sha(),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "model": "Llama-3.1-8B shape" if args.llama_8b else "Qwen3-0.6B shape",
-        "workload": vars(args) | {"out": str(args.out), "placement": placement.describe()},
+        "workload": vars(args)
+        | {"out": str(args.out), "package": str(package), "placement": placement.describe()},
         "forward": forward,
         "rounds": rounds,
         "median_ratio": statistics.median(r["ratio"] for r in rounds),
@@ -155,7 +198,8 @@ def main() -> None:
         ),
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    out = args.out / f"server_offline-{result['date']}.json"
+    label = f"-{args.label}" if args.label else ""
+    out = args.out / f"server_offline-{result['date']}{label}.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k.startswith("median")}))
     print(f"wrote {out}")
