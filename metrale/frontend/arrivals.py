@@ -3,13 +3,13 @@ process frames the first ones' tokens.
 
 The API process does two kinds of work on one core: reading requests (HTTP, validation,
 templating, tokenizing: ~0.5-1 ms each) and framing the tokens of those already running (tens of
-microseconds a token). asyncio runs its ready tasks in turn, so under a burst the requests read
-while earlier ones stream get only the share of the core that the streams leave: with 256
-streams of a fast engine, the last request of a burst reached it seconds late on a CPU
-(bench/api_cost.py) and the run's end moved with it. While requests are arriving, the output
-router holds the engine's batches (up to `HOLD_S` at a time): the outputs wait in the socket,
-and each stream takes them later as one delta (`AsyncLLM.generate` coalesces), which also costs
-less than a delta a step.
+microseconds a token). asyncio runs its ready tasks in turn, so under a burst the requests still
+being read get only the share of the core that the running streams leave, and every one of them
+reaches the engine later; the run ends when the last one's tokens do (bench/server_offline.py
+reports how a round's requests arrived). While requests are arriving, the output router holds the
+engine's batches (up to `hold_s`, by default `HOLD_S`, at a time): they wait in the socket, and
+each stream takes them later as one delta (`AsyncLLM.generate` coalesces), which also costs less
+than a delta a step.
 
 A request counts from when the server starts reading it (`arriving`, the server's middleware)
 until it has added its engine request (`added`, from `AsyncLLM.generate`) or has ended without
@@ -47,7 +47,8 @@ _current: contextvars.ContextVar[_Arrival | None] = contextvars.ContextVar(
 
 
 class Arrivals:
-    def __init__(self) -> None:
+    def __init__(self, hold_s: float = HOLD_S) -> None:
+        self.hold_s = hold_s
         self.pending = 0
         self._waiters: list[asyncio.Future[None]] = []
 
@@ -71,7 +72,7 @@ class Arrivals:
         if arrival is not None:
             arrival.end()
 
-    async def settled(self, hold_s: float = HOLD_S) -> None:
+    async def settled(self) -> None:
         """Return once no request is arriving, or after `hold_s`."""
         if not self.pending:
             return
@@ -79,7 +80,7 @@ class Arrivals:
         self._waiters.append(waiter)
         try:
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(hold_s):
+                async with asyncio.timeout(self.hold_s):
                     await waiter
         finally:
             self._waiters.remove(waiter)
