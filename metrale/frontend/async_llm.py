@@ -17,7 +17,6 @@ from collections.abc import AsyncIterator
 from metrale.engine.client import EngineClient, EngineDeadError
 from metrale.engine.data_parallel_client import DataParallelClient
 from metrale.engine.messages import EngineRequest, Outputs
-from metrale.frontend.arrivals import Arrivals
 from metrale.frontend.output_processor import CompletionDelta, OutputProcessor
 from metrale.telemetry.hub import Telemetry
 from metrale.tokenizer import Tokenizer
@@ -44,7 +43,6 @@ class AsyncLLM:
         self._queues: dict[str, asyncio.Queue[CompletionDelta | Exception]] = {}
         self._waiting: set[str] = set()  # added, no output yet: queued or in prefill
         self._output_task: asyncio.Task[None] | None = None
-        self.arrivals = Arrivals()  # requests the server is reading (counted by its middleware)
 
     def start(self) -> None:
         self._output_task = asyncio.create_task(self._route_outputs(), name="route-outputs")
@@ -81,7 +79,6 @@ class AsyncLLM:
         item: CompletionDelta | Exception | None = None
         try:
             self.client.add_request(request)
-            self.arrivals.added()
             self.telemetry.request_added(request, api)
             self._waiting.add(request_id)
             item = await queue.get()
@@ -111,9 +108,6 @@ class AsyncLLM:
                 # Every batch that has come in goes to its callers before they run again, so
                 # one that fell behind takes its backlog in one turn (`generate`'s coalescing).
                 batches = [await self.client.get_outputs(), *self.client.ready_outputs()]
-                if self.arrivals.pending:  # requests being read reach the engine first
-                    await self.arrivals.settled()
-                    batches += self.client.ready_outputs()
                 now = time.monotonic()
                 for batch in batches:
                     self._route(batch, now)

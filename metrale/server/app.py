@@ -11,7 +11,6 @@ from metrale.server import observe, ops
 from metrale.server.access_log import AccessLogMiddleware
 from metrale.server.anthropic import messages as anthropic_messages
 from metrale.server.anthropic.errors import shaped_response
-from metrale.server.arrivals import ArrivalsMiddleware
 from metrale.server.errors import APIError, http_status_error
 from metrale.server.json_body import JSONResponse
 from metrale.server.openai import chat, completions, conversations, models, stored_completions
@@ -64,13 +63,11 @@ def build_app(state: ServerState) -> FastAPI:
     # Keys, limits and the last-resort handler (anything unexpected: a 500 in the route's
     # shape, logged with the request id) wrap every route.
     app.add_middleware(EdgeMiddleware, guard=state.guard)
-    # Outside the edge: it sees every answer's final status, the edge's refusals too.
+    # Outermost: it sees every answer's final status, the edge's refusals too.
     app.add_middleware(
         AccessLogMiddleware,
         metrics=state.llm.telemetry.metrics,
         routes=[route for router in routers for route in router.routes],
         enabled=state.settings.access_log,
     )
-    # Around everything else, so a request counts as arriving from its first middleware on.
-    app.add_middleware(ArrivalsMiddleware, arrivals=state.llm.arrivals)
     return app
