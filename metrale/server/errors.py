@@ -133,28 +133,51 @@ def check_json_values(value: object) -> None:
     """Refuse what JSON can carry but nothing downstream should meet: nesting past
     `MAX_JSON_DEPTH`, strings with lone surrogates (`"\\ud800"` parses, but is no Unicode text
     and cannot be encoded), integers past int64 and non-finite numbers (`NaN`, `Infinity`).
-    Iterative, so a hostile body cannot exhaust the stack here either."""
-    stack: list[tuple[object, tuple[str | int, ...]]] = [(value, ())]
+    Iterative, so a hostile body cannot exhaust the stack here either. The scalars of a
+    container are checked where they lie, their path built only for an error (a prompt of
+    token ids is a long list of them)."""
+    if not isinstance(value, dict | list):
+        _check_scalar(value, ())
+        return
+    stack: list[tuple[dict | list, tuple[str | int, ...]]] = [(value, ())]
     while stack:
         item, path = stack.pop()
-        if len(path) >= MAX_JSON_DEPTH:
+        if len(path) + (1 if item else 0) >= MAX_JSON_DEPTH:  # it, or what it holds
             raise APIError(f"request body is nested deeper than {MAX_JSON_DEPTH} levels")
-        if isinstance(item, str):
-            if not item.isascii():
-                _check_unicode(item, path)
-        elif isinstance(item, dict):
-            for key, child in item.items():
+        children = item.items() if isinstance(item, dict) else enumerate(item)
+        for key, child in children:
+            if isinstance(key, str) and not key.isascii():
                 _check_unicode(key, path)
+            if isinstance(child, dict | list):
                 stack.append((child, (*path, key)))
-        elif isinstance(item, list):
-            stack.extend((child, (*path, i)) for i, child in enumerate(item))
-        elif isinstance(item, bool):
-            continue
-        elif isinstance(item, int):
-            if not INT64_MIN <= item <= INT64_MAX:
-                raise _value_error(path, "integer is out of range (past 64 bits)")
-        elif isinstance(item, float) and not math.isfinite(item):
-            raise _value_error(path, f"{item} is not a finite number")
+            elif not _scalar_ok(child):
+                _check_scalar(child, (*path, key))
+
+
+def _scalar_ok(value: object) -> bool:
+    """True for what needs no closer look: ASCII strings, booleans, None, int64 integers and
+    finite floats (bool is an int: its range check passes)."""
+    kind = type(value)
+    if kind is int:
+        return INT64_MIN <= value <= INT64_MAX  # type: ignore[operator]
+    if kind is str:
+        return value.isascii()  # type: ignore[union-attr]
+    if kind is float:
+        return math.isfinite(value)  # type: ignore[arg-type]
+    return value is None or kind is bool
+
+
+def _check_scalar(value: object, path: tuple[str | int, ...]) -> None:
+    if isinstance(value, str):
+        if not value.isascii():
+            _check_unicode(value, path)
+    elif isinstance(value, bool):
+        return
+    elif isinstance(value, int):
+        if not INT64_MIN <= value <= INT64_MAX:
+            raise _value_error(path, "integer is out of range (past 64 bits)")
+    elif isinstance(value, float) and not math.isfinite(value):
+        raise _value_error(path, f"{value} is not a finite number")
 
 
 def _check_unicode(text: str, path: tuple[str | int, ...]) -> None:

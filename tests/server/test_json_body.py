@@ -15,6 +15,7 @@ from metrale.frontend.output_processor import CompletionDelta
 from metrale.outputs import Logprob
 from metrale.server import sse
 from metrale.server.app import build_app
+from metrale.server.errors import MAX_JSON_DEPTH, APIError, check_json_values
 from metrale.server.json_body import JSONResponse, dumps
 from metrale.server.openai.logprobs import LOGPROB_FLOOR
 from metrale.server.state import ServerSettings, ServerState
@@ -121,4 +122,43 @@ def test_logprobs_past_the_floor_are_reported_at_it(client):
     assert whole.choices[0].logprobs.token_logprobs == [LOGPROB_FLOOR] * 3
     assert all(
         v == LOGPROB_FLOOR for top in whole.choices[0].logprobs.top_logprobs for v in top.values()
+    )
+
+
+def _nested(depth: int, leaf: object) -> object:
+    """`leaf` at `depth` levels of lists (its path has `depth` parts)."""
+    for _ in range(depth):
+        leaf = [leaf]
+    return leaf
+
+
+@pytest.mark.parametrize("leaf", [7, "text", [], {}])
+def test_the_depth_limit_counts_every_value_alike(leaf):
+    """A value whose path has MAX_JSON_DEPTH parts is refused, a scalar as much as a container;
+    one part fewer passes."""
+    check_json_values(_nested(MAX_JSON_DEPTH - 1, leaf))
+    with pytest.raises(APIError, match="nested deeper"):
+        check_json_values(_nested(MAX_JSON_DEPTH, leaf))
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"prompt": [1, 2, 2**63]}, "prompt.2"),
+        ({"prompt": [1, -(2**63) - 1]}, "prompt.1"),
+        ({"a": {"b": [0.5, math.inf]}}, "a.b.1"),
+        ({"messages": [{"content": "ok"}, {"content": "bad \ud800"}]}, "messages.1.content"),
+        ({"x\udfff": 1}, None),
+        ("\ud800", None),
+    ],
+)
+def test_each_bad_value_is_named_by_its_path(body, param):
+    with pytest.raises(APIError) as caught:
+        check_json_values(body)
+    assert caught.value.param == param
+
+
+def test_good_values_pass():
+    check_json_values(
+        {"prompt": [0, 2**63 - 1, -(2**63)], "t": 0.5, "s": "é", "b": True, "n": None, "e": {}}
     )
