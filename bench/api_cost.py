@@ -39,34 +39,25 @@ ROOT = Path(__file__).resolve().parent
 REPO = ROOT.parent
 sys.path.insert(0, str(ROOT))
 from provenance import git_sha  # noqa: E402
-from serve_telemetry import _pin_tasks, _task_cpu_s, free_port, wait_healthy  # noqa: E402
+from serve_telemetry import (  # noqa: E402
+    QWEN3_06B_BODY,
+    _pin_tasks,
+    _task_cpu_s,
+    dummy_checkpoint,
+    free_port,
+    wait_healthy,
+)
 
-TINY_QWEN3 = {
-    "architectures": ["Qwen3ForCausalLM"],
-    "model_type": "qwen3",
+# Qwen3's layout at hidden 64, with the demo tokenizer's vocabulary: an engine that costs little.
+TINY_QWEN3 = QWEN3_06B_BODY | {
     "hidden_size": 64,
     "intermediate_size": 128,
     "num_hidden_layers": 2,
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
     "head_dim": 16,
-    "vocab_size": 4096,
-    "max_position_embeddings": 4096,
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 10000.0,
-    "tie_word_embeddings": True,
     "torch_dtype": "float32",
-    "bos_token_id": 1,
-    "eos_token_id": 2,
 }
-
-
-def tiny_checkpoint() -> Path:
-    path = Path(tempfile.mkdtemp(prefix="bench-api-cost-"))
-    (path / "config.json").write_text(json.dumps(TINY_QWEN3))
-    for f in (REPO / "metrale" / "demo" / "tokenizer").iterdir():
-        shutil.copy(f, path / f.name)
-    return path
 
 
 def start(package: Path, model: Path, streams: int, extra: list[str], log: Path, cpus: set[int]):
@@ -176,7 +167,7 @@ def main() -> None:
     parser.add_argument("--label", default="")
     args = parser.parse_args()
 
-    model = tiny_checkpoint()
+    model = dummy_checkpoint(TINY_QWEN3)
     logs = Path(tempfile.mkdtemp(prefix="bench-api-cost-logs-"))
     packages = {"candidate": args.candidate.resolve()}
     if args.baseline:
