@@ -146,9 +146,10 @@ def _launch(
     num_chunks = cdiv(vocab_size, CHUNK)
     grid = (num_rows, num_chunks)
     totals = torch.empty(num_rows, num_chunks, dtype=torch.int64, device=device)
-    if temperature is None:
+    tempered = temperature is not None
+    if not tempered:
         arrived = torch.zeros(num_rows, dtype=torch.int32, device=device)
-        maxes, temperature = totals, draws  # unread
+        maxes, temperature = totals, draws  # pointers the kernel does not read untempered
     else:
         arrived = torch.empty(num_rows, dtype=torch.int32, device=device)
         maxes = torch.empty(num_rows, num_chunks, dtype=torch.float32, device=device)
@@ -177,6 +178,6 @@ def _launch(
         PROB_SCALE,
         CHUNK=CHUNK,
         NUM_CHUNKS_P2=next_power_of_2(num_chunks),
-        TEMPERED=maxes is not totals,
+        TEMPERED=tempered,
     )
     return out

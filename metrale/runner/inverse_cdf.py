@@ -54,8 +54,13 @@ def tempered_inverse_cdf(
 def tempered_weights(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
     """`exp(l - max l)` of each row's logits over its temperature: the softmax times the most
     likely token's inverse probability, so it weighs 1."""
-    scaled = logits / temperature.unsqueeze(1)
-    return torch.exp(scaled - scaled.amax(dim=-1, keepdim=True))
+    return weights_of(logits / temperature.unsqueeze(1))
+
+
+def weights_of(logits: torch.Tensor) -> torch.Tensor:
+    """`exp(l - max l)` of each row: the softmax times the inverse of its largest probability,
+    so the most likely token weighs 1."""
+    return torch.exp(logits - logits.amax(dim=-1, keepdim=True))
 
 
 def inverse_cdf_torch(weights: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from metrale.runner.inverse_cdf import inverse_cdf, tempered_inverse_cdf
+from metrale.runner.inverse_cdf import inverse_cdf, tempered_inverse_cdf, weights_of
 from metrale.runner.random_draws import DRAFT, TOKEN
 from metrale.runner.repeat_penalties import RepeatPenalties, apply_repeat_penalties
 from metrale.runner.truncation import Truncation, truncate
@@ -116,8 +116,7 @@ def _draw(logits: torch.Tensor, meta: SamplingMetadata, rows: RandomRows) -> tor
         logits = logits / temperature.unsqueeze(1)
         if rows.any_top_k_or_p:
             logits = _apply_top_k_top_p(logits, rows.top_k, rows.top_p)
-        # The softmax times the inverse of its largest probability: the top token weighs 1.
-        weights = torch.exp(logits - logits.amax(dim=-1, keepdim=True))
+        weights = weights_of(logits)
         if rows.any_min_p:
             weights = weights.masked_fill(weights < rows.min_p.unsqueeze(1), 0.0)
         sampled_ids = inverse_cdf(weights, rows.draws[:, TOKEN])
