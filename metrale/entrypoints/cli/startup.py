@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import logging
 import signal
 import time
@@ -320,8 +321,21 @@ class Startup:
             logger.info("serving %s on http://%s:%d", self.served_model_name, args.bind, args.port)
 
         announcer = asyncio.create_task(announce())
+        _freeze_startup_heap()
         await server.serve()
         announcer.cancel()
+
+
+def _freeze_startup_heap() -> None:
+    """Everything startup built lives as long as the server: torch and the other modules, the
+    tokenizer, the app. Kept in the collector's sweeps, it made each full collection, which
+    requests' allocations trigger, walk millions of objects: at 256 concurrent streams that was
+    about 0.45 ms of the API process's CPU per request and a fifth of its CPU per token
+    (`bench/api_cost.py`). Frozen, a sweep walks only what serving allocated. What is garbage
+    already goes first, so nothing dead is kept for good."""
+    gc.collect()
+    gc.freeze()
+    logger.debug("%d objects of the startup heap frozen", gc.get_freeze_count())
 
 
 def _import_server() -> None:
