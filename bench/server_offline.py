@@ -109,6 +109,9 @@ def main() -> None:
     parser.add_argument("--llama-8b", action="store_true", help="Llama-3.1-8B's shape instead")
     parser.add_argument("--package", type=Path, default=REPO, help="the metrale/ to serve")
     parser.add_argument("--label", default="", help="appended to the results file's name")
+    parser.add_argument(
+        "--serve-args", default="", help="more `met serve` flags that the offline side lacks"
+    )
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ROOT / "results")))
     args = parser.parse_args()
 
@@ -127,6 +130,7 @@ def main() -> None:
         "num_kv_blocks": args.num_kv_blocks,
     }
     serve_flags = ["--max-num-seqs", str(args.streams), "--num-kv-blocks", str(args.num_kv_blocks)]
+    serve_flags += args.serve_args.split()
     logs = Path(tempfile.mkdtemp(prefix="bench-b4-logs-"))
     placement = Placement(True, 1)
     if placement.enabled:

@@ -4,6 +4,11 @@ Each `generate()` call gets a queue; one output task reads the engine client's o
 and routes every delta to its request's queue. A caller that stops iterating (the HTTP client
 went away) aborts its request, so its KV blocks are freed at the engine's next step. If the
 engine dies, every open stream ends with `EngineDeadError`.
+
+With a stream interval of N (`met serve --stream-interval`, as vLLM's and SGLang's), the router
+holds a request's deltas until N tokens have gathered: a caller wakes, and a stream frames and
+writes an event, once per N tokens instead of once per token. The first delta and the last go
+at once, and so does anything that ends the request.
 """
 
 from __future__ import annotations
@@ -34,14 +39,21 @@ class AsyncLLM:
         client: EngineClient | DataParallelClient,
         tokenizer: Tokenizer,
         telemetry: Telemetry | None = None,
+        stream_interval: int = 1,
     ) -> None:
+        if stream_interval < 1:
+            raise ValueError(f"the stream interval must be at least 1 token, got {stream_interval}")
         self.client = client
+        self.stream_interval = stream_interval
         self.telemetry = telemetry or Telemetry(None)
         self.config = client.config
         self.tokenizer = tokenizer
         self._processor = OutputProcessor(tokenizer)
         self._queues: dict[str, asyncio.Queue[CompletionDelta | Exception]] = {}
         self._waiting: set[str] = set()  # added, no output yet: queued or in prefill
+        # Requests whose deltas the stream interval gathers, with what is held back for each
+        # (None: nothing since the last delivery).
+        self._held: dict[str, CompletionDelta | None] = {}
         self._output_task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -79,6 +91,8 @@ class AsyncLLM:
         item: CompletionDelta | Exception | None = None
         try:
             self.client.add_request(request)
+            if coalesce and self.stream_interval > 1:
+                self._held[request_id] = None
             self.telemetry.request_added(request, api)
             self._waiting.add(request_id)
             item = await queue.get()
@@ -96,6 +110,7 @@ class AsyncLLM:
         finally:
             self._waiting.discard(request_id)
             self._queues.pop(request_id, None)
+            self._held.pop(request_id, None)
             self._processor.remove_request(request_id)
             ended = item if isinstance(item, CompletionDelta) and item.finished else None
             self.telemetry.request_closed(request_id, ended)  # if it did not finish: an abort
@@ -137,12 +152,34 @@ class AsyncLLM:
             if output.timing is not None:
                 timings[delta.request_id] = output.timing
             deltas.append(delta)
-            self._deliver(delta.request_id, delta)
+            if delta.request_id in self._held:
+                self._gather(delta, first=output.timing is not None)
+            else:
+                self._deliver(delta.request_id, delta)
         # (The callers run once the router yields: the telemetry sees every delta first.)
         self.telemetry.deltas(deltas, timings, now)
         self.telemetry.engine_outputs(batch, now)
 
+    def _gather(self, delta: CompletionDelta, first: bool) -> None:
+        """Hold `delta` back under the stream interval, or hand over what has gathered: the
+        request's first output (the engine sends its timing with it), the interval's tokens,
+        and whatever ends the request go at once."""
+        request_id = delta.request_id
+        held = self._held[request_id]
+        if held is not None:
+            held.extend(delta)
+            delta = held
+        ends = delta.finished or delta.abort_in_engine
+        if not (first or ends) and len(delta.token_ids) < self.stream_interval:
+            self._held[request_id] = delta
+            return
+        self._held[request_id] = None
+        self._deliver(request_id, delta)
+
     def _deliver(self, request_id: str, item: CompletionDelta | Exception) -> None:
+        if isinstance(item, Exception) and (held := self._held.get(request_id)) is not None:
+            self._held[request_id] = None
+            self._deliver(request_id, held)  # what came before the error goes out first
         queue = self._queues.get(request_id)
         if queue is not None:
             queue.put_nowait(item)

@@ -149,3 +149,12 @@ def test_a_subcommand_parses_alike_with_its_parser_alone():
     alone = build_parser("serve")
     assert list(alone._subparsers._group_actions[0].choices) == ["serve"]  # type: ignore[union-attr]
     assert vars(alone.parse_args(argv)) == vars(full.parse_args(argv))
+
+
+@pytest.mark.parametrize(("value", "message"), [("0", "must be at least 1"), ("x", "not a whole")])
+def test_a_stream_interval_that_is_no_count_of_tokens_is_a_usage_error(capsys, value, message):
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["serve", "--stream-interval", value])
+    assert exit_info.value.code == 2
+    assert f"--stream-interval: {message}" in capsys.readouterr().err
+    assert build_parser().parse_args(["serve", "--stream-interval", "4"]).stream_interval == 4

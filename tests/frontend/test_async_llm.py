@@ -19,6 +19,7 @@ from metrale.tokenizer import Tokenizer
 
 PROMPT = [5, 17, 9, 33, 12, 8, 41]
 NUM_TOKENS = 24
+INTERVAL = 5  # not a divisor of NUM_TOKENS: the last event holds fewer
 
 
 async def _collect(
@@ -50,13 +51,18 @@ def runs(qwen3_dir: Path) -> dict[str, list[CompletionDelta]]:
         )
         llm.start()
         try:
-            return {
+            runs = {
                 "keeps up": await _collect(llm, "a", 0.0),
                 "falls behind": await _collect(llm, "b", 1.0),
                 "falls behind, one by one": await _collect(llm, "c", 1.0, coalesce=False),
                 "falls behind, logprobs": await _collect(llm, "d", 1.0, logprobs=2),
                 "keeps up, logprobs": await _collect(llm, "e", 0.0, logprobs=2),
             }
+            llm.stream_interval = INTERVAL  # (`met serve --stream-interval`; between requests)
+            runs["interval, keeps up"] = await _collect(llm, "f", 0.0, logprobs=2)
+            runs["interval, falls behind"] = await _collect(llm, "g", 1.0)
+            runs["interval, one by one"] = await _collect(llm, "h", 0.0, coalesce=False)
+            return runs
         finally:
             await llm.shutdown()
 
@@ -128,3 +134,33 @@ def test_the_client_hands_over_every_batch_that_has_come_in(qwen3_dir: Path, cor
     assert len(batches) > 2
     assert len(tokens) == NUM_TOKENS * cores  # every request finished while it waited
     assert sum(o.finish_reason is not None for b in batches for o in b.outputs) == cores
+
+
+def test_the_stream_interval_gathers_tokens_into_fewer_deltas(runs):
+    steady, gathered = runs["keeps up, logprobs"], runs["interval, keeps up"]
+    sizes = [len(d.token_ids) for d in gathered]
+    # The first token at once (time to first token is not the interval's to spend), then
+    # whole intervals (two, where the caller was slow to take one), then the rest with the end.
+    assert sizes[0] == 1 and sum(sizes) == NUM_TOKENS
+    assert all(size % INTERVAL == 0 for size in sizes[1:-1]), sizes
+    assert len(gathered) <= 2 + NUM_TOKENS // INTERVAL
+    assert [d.finished for d in gathered] == [False] * (len(gathered) - 1) + [True]
+    assert _tokens(gathered) == _tokens(steady)
+    assert "".join(d.text for d in gathered) == "".join(d.text for d in steady)
+    assert [p.keys() for d in gathered for p in d.logprobs] == [
+        p.keys() for d in steady for p in d.logprobs
+    ]
+    behind = runs["interval, falls behind"]
+    assert len(behind) == 2 and _tokens(behind) == _tokens(steady)
+
+
+def test_the_stream_interval_leaves_uncoalesced_requests_alone(runs):
+    """A choice whose parser counts each delta's tokens (the inter-tool prose bound) asks for
+    its deltas as the engine made them: the interval does not gather them either."""
+    one_by_one = runs["interval, one by one"]
+    assert [len(d.token_ids) for d in one_by_one] == [1] * NUM_TOKENS
+
+
+def test_a_stream_interval_below_one_token_is_refused(qwen3_dir: Path):
+    with pytest.raises(ValueError, match="at least 1 token"):
+        AsyncLLM(None, Tokenizer.from_dir(qwen3_dir), stream_interval=0)  # type: ignore[arg-type]

@@ -231,6 +231,7 @@ def test_operational_routes(server):
     assert config["server"]["served_model_name"] == MODEL_NAME
     assert config["engine"]["scheduler"]["max_seq_len"] == 512
     assert config["server"]["event_loop"] == "uvloop"  # uvicorn[standard] installs it
+    assert config["server"]["stream_interval"] == 1  # an event per token unless asked
     threads = config["cpu_threads"]  # the engine process's, not this one's
     assert threads["torch_threads"] >= 1 and 1 <= threads["cores_usable"] <= os.cpu_count()
     assert threads["omp_num_threads"] is None

@@ -51,6 +51,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="end any request that runs longer than this (default: no limit)",
     )
     g.add_argument(
+        "--stream-interval",
+        type=_at_least_one,
+        default=1,
+        metavar="TOKENS",
+        help="stream a request's tokens in events of this many (the first token and the last "
+        "go at once): fewer, larger events cost the server less per token at high concurrency "
+        "(default 1: an event per token, or per engine step's tokens)",
+    )
+    g.add_argument(
         "--always-include-usage",
         action="store_true",
         help="add a usage chunk to every stream, as if stream_options.include_usage",
@@ -165,6 +174,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     SecurityConfig.add_cli_args(parser)
     EngineArgs.add_cli_args(parser)
+
+
+def _at_least_one(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:

@@ -229,7 +229,8 @@ class Startup:
         with phase("scheduler", self.bus):
             name = self.served_model_name
             metrics = Metrics(name, config.scheduler.max_seq_len) if config.log_stats else None
-            llm = AsyncLLM(client, tokenizer, Telemetry(metrics, self.bus))
+            telemetry = Telemetry(metrics, self.bus)
+            llm = AsyncLLM(client, tokenizer, telemetry, self.args.stream_interval)
             llm.start()
             assert client.kv_cache is not None
             logger.info(
@@ -388,6 +389,7 @@ def effective_config(
             "port": args.port,
             # "uvloop" where installed (serve.py's _event_loop_factory), else "asyncio"
             "event_loop": type(asyncio.get_running_loop()).__module__.split(".")[0],
+            "stream_interval": args.stream_interval,
             **plain(settings),
         },
         # where the parsers and the thinking budget came from: a flag, MODEL.toml, a recipe...
