@@ -40,6 +40,7 @@ class DecodeSpy:
         self._tokenizer = tokenizer
         self.decoded_lens: list[int] = []
         self.has_byte_fallback_decoder = tokenizer.has_byte_fallback_decoder
+        self.decodes_by_concatenation = tokenizer.decodes_by_concatenation
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         self.decoded_lens.append(len(token_ids))
@@ -189,3 +190,38 @@ def test_context_dependent_decoder(metaspace_tokenizer, text):
     for chunks in [_chunks(token_ids, None, 1)] + [_chunks(token_ids, rng, 4) for _ in range(10)]:
         deltas = _assert_stream_exact(metaspace_tokenizer, token_ids, chunks, True)
         assert not any(REPLACEMENT_CHAR in delta for delta in deltas)
+
+
+def test_a_byte_level_stream_decodes_once_a_push(tokenizer):
+    """ByteLevel decodes by concatenation: a push learns the restarted window's text by
+    subtraction, not by a second decode."""
+    assert tokenizer.decodes_by_concatenation
+    token_ids = tokenizer.encode("Plain words, 你好世界, and 🤖 emoji. " * 20)
+    spy = DecodeSpy(tokenizer)
+    chunks = _chunks(token_ids, None, 1)
+    _assert_stream_exact(spy, token_ids, chunks, True)
+    assert len(spy.decoded_lens) == len(chunks) + 2  # and finish()'s and the check's decodes
+
+
+def _spanning_token_id(tokenizer: Tokenizer) -> int:
+    """A token of a continuation byte then a lead byte (e.g. B5 CE): repeated, every boundary
+    between two of them falls inside a character (CE B5), so no boundary is ever finished."""
+    for token_id in range(tokenizer.vocab_size):
+        token = tokenizer.convert_ids_to_tokens([token_id])[0]
+        three = tokenizer.decode([token_id] * 3)
+        if len(token) == 2 and three.count(REPLACEMENT_CHAR) == 2 and len(three) == 4:
+            return token_id
+    raise AssertionError("no such token in the demo vocabulary")
+
+
+def test_a_stream_without_finished_boundaries_searches_now_and_then(tokenizer):
+    token_ids = [_spanning_token_id(tokenizer)] * 200
+    spy = DecodeSpy(tokenizer)
+    _assert_stream_exact(spy, token_ids, _chunks(token_ids, None, 1), True)
+    # A failed search (up to two decodes a candidate) waits MAX_UNCLEAN_TOKENS tokens for the
+    # next: not one search a push (which made it 15 decodes a token).
+    assert len(spy.decoded_lens) < 3.5 * len(token_ids)
+
+
+def test_context_dependent_decoders_are_not_taken_for_concatenating(metaspace_tokenizer):
+    assert not metaspace_tokenizer.decodes_by_concatenation
