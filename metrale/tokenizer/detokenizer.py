@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Collection, Sequence
 
 from metrale.tokenizer.tokenizer import Tokenizer
@@ -38,12 +39,13 @@ class IncrementalDetokenizer:
     already emitted into U+FFFD once a later byte makes the run invalid, breaking the first
     invariant; finish() then returns the rest of the full decode after the emitted length.
 
-    Where the tokenizer decodes by concatenation (ByteLevel: `Tokenizer.decodes_by_concatenation`)
-    a push decodes once: every window start is a point where a whole character ended, so the
-    text of the window's context is the length kept from its restart, the new window's by
-    subtraction; and a boundary whose head decodes to a whole character is finished without
-    decoding the tail. A search for a finished boundary that finds none waits for
-    MAX_UNCLEAN_TOKENS more tokens before the next.
+    A search for a finished boundary that finds none waits MAX_UNCLEAN_TOKENS tokens for the next.
+
+    Where the tokenizer's text is the lossy UTF-8 decode of its tokens' bytes (ByteLevel:
+    `Tokenizer.token_bytes`), none of this is needed: the tokens' bytes go through an incremental
+    UTF-8 decoder, which holds back only a character still incomplete and replaces invalid bytes
+    as the full decode does (the maximal invalid subparts, one U+FFFD each), so the deltas are
+    exactly the full decode's text, at constant cost a token, whatever the model writes.
     """
 
     def __init__(
@@ -60,28 +62,30 @@ class IncrementalDetokenizer:
         self._dropped_ids: frozenset[int] = frozenset()
         if skip_special_tokens and kept_special_ids:
             self._dropped_ids = frozenset(tokenizer.all_special_ids) - frozenset(kept_special_ids)
-        self._concatenates = tokenizer.decodes_by_concatenation
+        self._token_bytes = tokenizer.token_bytes
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
         self._token_ids: list[int] = []
         self._num_emitted_chars = 0
         # The window is token_ids[window_start:]; read_start is where its unemitted part began
-        # when the window was last restarted. emitted_len counts window text already emitted;
-        # context_len is the length of the text of token_ids[window_start:read_start].
+        # when the window was last restarted. emitted_len counts window text already emitted.
         self._window_start = 0
         self._read_start = 0
         self._emitted_len = 0
-        self._context_len = 0
         self._next_search = MAX_UNCLEAN_TOKENS  # a boundary search once past this many tokens
 
     def push(self, new_token_ids: Sequence[int]) -> str:
         """Add tokens; return the text they made final (possibly empty)."""
         if self._dropped_ids:
             new_token_ids = [i for i in new_token_ids if i not in self._dropped_ids]
+        if self._token_bytes is not None:
+            data = self._token_bytes.of(new_token_ids, self._skip_special_tokens)
+            return self._utf8.decode(data)
         self._token_ids.extend(new_token_ids)
         text = self._decode(self._window_start)
         stable_len = len(text) - _trailing_replacement_len(text)
         delta = self._emit(text, stable_len)
         if stable_len == len(text):
-            self._restart_window(len(self._token_ids), text)
+            self._restart_window(len(self._token_ids))
         elif (
             len(self._token_ids) > self._next_search
             and not self._tokenizer.has_byte_fallback_decoder
@@ -91,6 +95,8 @@ class IncrementalDetokenizer:
 
     def finish(self) -> str:
         """Return the text held back so far; the stream is complete."""
+        if self._token_bytes is not None:
+            return self._utf8.decode(b"", final=True)
         full = self._tokenizer.decode(
             self._token_ids, skip_special_tokens=self._skip_special_tokens
         )
@@ -111,17 +117,13 @@ class IncrementalDetokenizer:
         self._num_emitted_chars += len(delta)
         return delta
 
-    def _restart_window(self, read_start: int, window_text: str) -> None:
+    def _restart_window(self, read_start: int) -> None:
         """Start the window at the previous read start, all text up to ``read_start`` emitted.
 
         Holds when the text decoded clean at ``read_start``: the kept tokens are context only.
         """
-        if self._concatenates:  # the window's text is its context's, then the new window's
-            emitted_len = len(window_text) - self._context_len
-        else:
-            emitted_len = len(self._decode(self._read_start, read_start))
         self._window_start, self._read_start = self._read_start, read_start
-        self._emitted_len = self._context_len = emitted_len
+        self._emitted_len = len(self._decode(self._window_start, read_start))
         self._next_search = read_start + MAX_UNCLEAN_TOKENS
 
     def _restart_at_finished_boundary(self, window_text: str) -> str:
@@ -134,15 +136,12 @@ class IncrementalDetokenizer:
         end = len(self._token_ids)
         for boundary in range(end - 1, max(self._read_start, end - BOUNDARY_SEARCH_TOKENS), -1):
             head = self._decode(self._window_start, boundary)
-            # By concatenation, a head that ends in a whole character ends where the text does.
-            finished = self._concatenates and not head.endswith(REPLACEMENT_CHAR)
-            if not finished and head + self._decode(boundary) != window_text:
+            if head + self._decode(boundary) != window_text:
                 continue
             delta = self._emit(window_text, len(head))
             # The window text is head + the new window's text, so positions shift by len(head).
             self._window_start = self._read_start = boundary
             self._emitted_len -= len(head)
-            self._context_len = 0
             self._next_search = boundary + MAX_UNCLEAN_TOKENS
             return delta
         self._next_search = end + MAX_UNCLEAN_TOKENS

@@ -12,6 +12,7 @@ from typing import Any
 import tokenizers
 
 from metrale.tokenizer.chat_template import ChatTemplate, resolve_chat_template
+from metrale.tokenizer.token_bytes import TokenBytes
 
 logger = logging.getLogger(__name__)
 
@@ -165,9 +166,8 @@ def _has_byte_fallback_decoder(backend: tokenizers.Tokenizer) -> bool:
     return '"ByteFallback"' in backend.decoder.__getstate__().decode("utf-8")
 
 
-def _decodes_bytes_alone(backend: tokenizers.Tokenizer) -> bool:
-    """Whether the decoder is ByteLevel alone: the text of some ids is the lossy UTF-8 decode of
-    their tokens' bytes, one after another (GPT-2, Llama 3, Qwen, Mistral's Tekken)."""
+def _decodes_token_bytes(backend: tokenizers.Tokenizer) -> bool:
+    """Whether the decoder is ByteLevel alone (`token_bytes.py`)."""
     if backend.decoder is None:
         return False
     return json.loads(backend.decoder.__getstate__()).get("type") == "ByteLevel"
@@ -192,7 +192,10 @@ class Tokenizer:
         self.config = config
         self.chat_template = chat_template
         self._has_byte_fallback_decoder = _has_byte_fallback_decoder(backend)
-        self._decodes_bytes_alone = _decodes_bytes_alone(backend)
+        # Where the text of some ids is the lossy UTF-8 decode of their tokens' bytes.
+        self.token_bytes = (
+            TokenBytes(backend, self.all_special_ids) if _decodes_token_bytes(backend) else None
+        )
 
     @classmethod
     def from_dir(
@@ -320,16 +323,6 @@ class Tokenizer:
         IncrementalDetokenizer needs to know: in such a run no boundary is final until the run is.
         """
         return self._has_byte_fallback_decoder
-
-    @property
-    def decodes_by_concatenation(self) -> bool:
-        """Whether, split where the first part's text ends in a whole character, the text of
-        some ids is the first part's text followed by the rest's: true of a ByteLevel decoder
-        (its text is the lossy UTF-8 decode of the tokens' bytes, which starts afresh after a
-        whole character), not of Metaspace's (a leading space dropped at the start of a text)
-        or WordPiece's (joins). IncrementalDetokenizer then learns a window's lengths by
-        subtraction instead of decoding them again."""
-        return self._decodes_bytes_alone
 
     def apply_chat_template(
         self,

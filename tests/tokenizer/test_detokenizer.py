@@ -29,8 +29,31 @@ MULTIBYTE_TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    return Tokenizer.from_dir(DEMO_DIR)
+def byte_tokenizer() -> Tokenizer:
+    """The demo tokenizer, ByteLevel: its streams go through the bytes path."""
+    tokenizer = Tokenizer.from_dir(DEMO_DIR)
+    assert tokenizer.token_bytes is not None
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def window_tokenizer(tmp_path_factory) -> Tokenizer:
+    """The same vocabulary and text with its ByteLevel decoder inside a Sequence: not taken for
+    a bytes decoder, so its streams go through the window path."""
+    model_dir = tmp_path_factory.mktemp("window")
+    for f in DEMO_DIR.iterdir():
+        (model_dir / f.name).write_bytes(f.read_bytes())
+    spec = json.loads((DEMO_DIR / "tokenizer.json").read_text())
+    spec["decoder"] = {"type": "Sequence", "decoders": [spec["decoder"]]}
+    (model_dir / "tokenizer.json").write_text(json.dumps(spec))
+    tokenizer = Tokenizer.from_dir(model_dir)
+    assert tokenizer.token_bytes is None
+    return tokenizer
+
+
+@pytest.fixture(scope="module", params=["bytes", "window"])
+def tokenizer(request, byte_tokenizer, window_tokenizer) -> Tokenizer:
+    return byte_tokenizer if request.param == "bytes" else window_tokenizer
 
 
 class DecodeSpy:
@@ -40,7 +63,7 @@ class DecodeSpy:
         self._tokenizer = tokenizer
         self.decoded_lens: list[int] = []
         self.has_byte_fallback_decoder = tokenizer.has_byte_fallback_decoder
-        self.decodes_by_concatenation = tokenizer.decodes_by_concatenation
+        self.token_bytes = tokenizer.token_bytes
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         self.decoded_lens.append(len(token_ids))
@@ -131,17 +154,17 @@ def _byte_token_id(tokenizer: Tokenizer, byte: int) -> int:
 
 
 @pytest.mark.parametrize("lone_byte", [None, 0xE4, 0x80])
-def test_window_stays_bounded(tokenizer, lone_byte):
+def test_window_stays_bounded(window_tokenizer, lone_byte):
     """A long stream, valid or one lone byte repeated, never makes a push decode a long window.
 
     Repeating a lead (0xE4) or continuation (0x80) byte makes every decode end in U+FFFD, so
     the window never ends clean and only the finished-boundary search bounds it.
     """
     if lone_byte is None:
-        token_ids = tokenizer.encode("一二三四五六七八九十 🤖 " * 200)
+        token_ids = window_tokenizer.encode("一二三四五六七八九十 🤖 " * 200)
     else:
-        token_ids = [_byte_token_id(tokenizer, lone_byte)] * 2000
-    spy = DecodeSpy(tokenizer)
+        token_ids = [_byte_token_id(window_tokenizer, lone_byte)] * 2000
+    spy = DecodeSpy(window_tokenizer)
     deltas = _assert_stream_exact(spy, token_ids, _chunks(token_ids, None, 1), True)
     assert len(spy.decoded_lens) < 6 * len(token_ids)
     # The last two calls are full decodes, by finish() and by the check.
@@ -192,15 +215,47 @@ def test_context_dependent_decoder(metaspace_tokenizer, text):
         assert not any(REPLACEMENT_CHAR in delta for delta in deltas)
 
 
-def test_a_byte_level_stream_decodes_once_a_push(tokenizer):
-    """ByteLevel decodes by concatenation: a push learns the restarted window's text by
-    subtraction, not by a second decode."""
-    assert tokenizer.decodes_by_concatenation
-    token_ids = tokenizer.encode("Plain words, 你好世界, and 🤖 emoji. " * 20)
-    spy = DecodeSpy(tokenizer)
-    chunks = _chunks(token_ids, None, 1)
-    _assert_stream_exact(spy, token_ids, chunks, True)
-    assert len(spy.decoded_lens) == len(chunks) + 2  # and finish()'s and the check's decodes
+def test_a_byte_level_stream_never_decodes_ids(byte_tokenizer):
+    """The bytes path reads each token's bytes (once a token) and decodes UTF-8 itself: no
+    `decode` of ids, whatever the stream."""
+    rng = random.Random(7)
+    token_ids = byte_tokenizer.encode("Plain words, 你好世界, and 🤖 emoji. " * 20)
+    token_ids += [rng.randrange(byte_tokenizer.vocab_size) for _ in range(300)]
+    spy = DecodeSpy(byte_tokenizer)
+    _assert_stream_exact(spy, token_ids, _chunks(token_ids, rng, 3), False)
+    assert spy.decoded_lens == [len(token_ids)]  # the check's own full decode
+
+
+def test_added_tokens_stream_as_their_decode_writes_them(byte_tokenizer, tmp_path):
+    """An added token passes through the byte map like any other (a character of the map
+    stands for its byte, so "¡¿" is two invalid bytes), one outside it for its UTF-8; special
+    ones are dropped when skipped."""
+    for f in DEMO_DIR.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    spec = json.loads((DEMO_DIR / "tokenizer.json").read_text())
+    next_id = byte_tokenizer.vocab_size + 10
+    for offset, (content, special) in enumerate([("¡¿", False), ("日本", False), ("<spé>", True)]):
+        spec["added_tokens"].append(
+            {
+                "id": next_id + offset,
+                "content": content,
+                "single_word": False,
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": False,
+                "special": special,
+            }
+        )
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    tokenizer = Tokenizer.from_dir(tmp_path)
+    added = [next_id, next_id + 1, next_id + 2]
+    lead = _byte_token_id(tokenizer, 0xE6)  # the first byte of 日
+    rng = random.Random(3)
+    for _ in range(200):
+        pool = [*added, lead, *tokenizer.encode("a 你 b")]
+        token_ids = [rng.choice(pool) for _ in range(rng.randint(1, 30))]
+        for skip in (True, False):
+            _assert_stream_exact(tokenizer, token_ids, _chunks(token_ids, rng, 3), skip)
 
 
 def _spanning_token_id(tokenizer: Tokenizer) -> int:
@@ -214,14 +269,20 @@ def _spanning_token_id(tokenizer: Tokenizer) -> int:
     raise AssertionError("no such token in the demo vocabulary")
 
 
-def test_a_stream_without_finished_boundaries_searches_now_and_then(tokenizer):
-    token_ids = [_spanning_token_id(tokenizer)] * 200
-    spy = DecodeSpy(tokenizer)
+def test_a_stream_without_finished_boundaries_searches_now_and_then(window_tokenizer):
+    token_ids = [_spanning_token_id(window_tokenizer)] * 200
+    spy = DecodeSpy(window_tokenizer)
     _assert_stream_exact(spy, token_ids, _chunks(token_ids, None, 1), True)
     # A failed search (up to two decodes a candidate) waits MAX_UNCLEAN_TOKENS tokens for the
     # next: not one search a push (which made it 15 decodes a token).
     assert len(spy.decoded_lens) < 3.5 * len(token_ids)
 
 
-def test_context_dependent_decoders_are_not_taken_for_concatenating(metaspace_tokenizer):
-    assert not metaspace_tokenizer.decodes_by_concatenation
+def test_the_bytes_path_is_exact_where_no_boundary_is_finished(byte_tokenizer):
+    token_ids = [_spanning_token_id(byte_tokenizer)] * 2000
+    deltas = _assert_stream_exact(byte_tokenizer, token_ids, _chunks(token_ids, None, 1), True)
+    assert max(len(d) for d in deltas) <= 2  # each character as soon as its bytes are in
+
+
+def test_only_a_bare_byte_level_decoder_is_taken_for_a_bytes_decoder(metaspace_tokenizer):
+    assert metaspace_tokenizer.token_bytes is None
