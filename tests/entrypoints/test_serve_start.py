@@ -155,7 +155,8 @@ def test_a_stop_while_the_engine_starts_ends_met_serve_quietly(
 ):
     """Ctrl-C or SIGTERM before the server serves: its exit code and one line, no traceback;
     the engine process, stopped mid-start, runs its exit handlers (no leaked semaphore) and is
-    gone."""
+    gone. (The stop lands at the API process's next await, which a busy machine can delay past
+    the tiny engine's load: then the engine is stopped once ready, which must end alike.)"""
     log_path = tmp_path / "server.log"
     with log_path.open("w") as log:
         process = subprocess.Popen(
@@ -183,6 +184,6 @@ def test_a_stop_while_the_engine_starts_ends_met_serve_quietly(
             process.kill()
     log = log_path.read_text()
     assert exit_code == code, log
-    assert says in log and "engine ready" not in log, log
+    assert says in log and "serving " not in log, log
     assert "Traceback" not in log and "leaked" not in log, log
     assert not _alive(engine_pid)
