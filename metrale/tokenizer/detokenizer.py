@@ -62,8 +62,11 @@ class IncrementalDetokenizer:
         self._dropped_ids: frozenset[int] = frozenset()
         if skip_special_tokens and kept_special_ids:
             self._dropped_ids = frozenset(tokenizer.all_special_ids) - frozenset(kept_special_ids)
+        # The bytes path (ByteLevel tokenizers): their tokens' bytes and a UTF-8 decoder.
         self._token_bytes = tokenizer.token_bytes
-        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        self._utf8 = None
+        if self._token_bytes is not None:
+            self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
         self._token_ids: list[int] = []
         self._num_emitted_chars = 0
         # The window is token_ids[window_start:]; read_start is where its unemitted part began
@@ -77,7 +80,7 @@ class IncrementalDetokenizer:
         """Add tokens; return the text they made final (possibly empty)."""
         if self._dropped_ids:
             new_token_ids = [i for i in new_token_ids if i not in self._dropped_ids]
-        if self._token_bytes is not None:
+        if self._utf8 is not None:
             data = self._token_bytes.of(new_token_ids, self._skip_special_tokens)
             return self._utf8.decode(data)
         self._token_ids.extend(new_token_ids)
@@ -95,7 +98,7 @@ class IncrementalDetokenizer:
 
     def finish(self) -> str:
         """Return the text held back so far; the stream is complete."""
-        if self._token_bytes is not None:
+        if self._utf8 is not None:
             return self._utf8.decode(b"", final=True)
         full = self._tokenizer.decode(
             self._token_ids, skip_special_tokens=self._skip_special_tokens
