@@ -140,8 +140,10 @@ def test_the_stream_interval_gathers_tokens_into_fewer_deltas(runs):
     steady, gathered = runs["keeps up, logprobs"], runs["interval, keeps up"]
     sizes = [len(d.token_ids) for d in gathered]
     # The first token at once (time to first token is not the interval's to spend), then
-    # whole intervals (two, where the caller was slow to take one), then the rest with the end.
-    assert sizes[0] == 1 and sum(sizes) == NUM_TOKENS
+    # whole intervals, then the rest with the end. A caller slow to take a delta finds the next
+    # ones behind it and takes them merged: the first then carries whole intervals after its
+    # token (a loaded CI machine measured 6 = 1 + 5), never a held first interval (5).
+    assert sizes[0] % INTERVAL == 1 and sum(sizes) == NUM_TOKENS
     assert all(size % INTERVAL == 0 for size in sizes[1:-1]), sizes
     assert len(gathered) <= 2 + NUM_TOKENS // INTERVAL
     assert [d.finished for d in gathered] == [False] * (len(gathered) - 1) + [True]
