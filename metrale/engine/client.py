@@ -4,6 +4,9 @@ The core runs in a child process (the server) or, for tests, in a thread of this
 speak the same ZMQ messages over IPC sockets, so nothing above this class can tell them apart.
 The client notices a dead engine within `LIVENESS_POLL_MS` (its process exited, or it said
 FAILED) and from then on raises `EngineDeadError` rather than waiting forever.
+
+With several API processes (`--api-server-count`) the first launches the engine and owns it
+(it alone stops it); each of the others `attach`es to it through its own pair of sockets.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import asyncio
 import dataclasses
 import logging
 import multiprocessing
+import os
 import shutil
 import tempfile
 import threading
@@ -35,7 +39,7 @@ from metrale.engine.messages import (
     decode,
     encode,
 )
-from metrale.engine.spawn import EngineSpec, run_engine_process
+from metrale.engine.spawn import EngineSockets, EngineSpec, run_engine_process
 
 if TYPE_CHECKING:
     from metrale.engine_config import EngineConfig
@@ -55,22 +59,25 @@ class EngineClient:
     def __init__(
         self,
         config: EngineConfig | None,
-        worker: multiprocessing.process.BaseProcess | threading.Thread,
+        worker: multiprocessing.process.BaseProcess | threading.Thread | EngineProcess,
         context: zmq.asyncio.Context,
-        to_engine: zmq.asyncio.Socket,
-        from_engine: zmq.asyncio.Socket,
-        socket_dir: Path,
+        sockets: EngineSockets,
+        client: int = 0,
     ) -> None:
         if config is not None:
             self.config = config  # else set by ready(): the engine resolves its own
         self._worker = worker
         self._context = context
-        self._to_engine = to_engine
-        self._from_engine = from_engine
+        self.sockets = sockets
+        self.client = client  # which of the engine's API processes this one is
+        # This process's pair of sockets; it binds them, the engine connects.
+        self._to_engine = to_engine = context.socket(zmq.PUSH)
+        to_engine.bind(sockets.input(client))
+        self._from_engine = from_engine = context.socket(zmq.PULL)
+        from_engine.bind(sockets.output(client))
         # The same socket without asyncio's futures, for reading what has already arrived: a
         # batch a step at high rates, where a future and a raised `zmq.Again` per read cost.
         self._arrived = zmq.Socket.shadow(from_engine.underlying)
-        self._socket_dir = socket_dir
         self._dead_reason: str | None = None
         self.kv_cache: KVCacheStats | None = None
         self.forward: ForwardInfo | None = None  # what the engine said of its forward, at READY
@@ -85,18 +92,18 @@ class EngineClient:
         return client
 
     @classmethod
-    def launch(cls, engine: EngineConfig | EngineSpec, *, in_process: bool = False) -> EngineClient:
+    def launch(
+        cls,
+        engine: EngineConfig | EngineSpec,
+        *,
+        in_process: bool = False,
+        api_server_count: int = 1,
+    ) -> EngineClient:
         """Start the engine core without waiting for it: it loads the model while the caller
         goes on, until `ready()`. Given an `EngineSpec` the engine resolves the flags itself,
-        and nothing here imports torch (`spawn.py`)."""
-        socket_dir = Path(tempfile.mkdtemp(prefix="metrale-"))
-        input_addr = f"ipc://{socket_dir}/input"
-        output_addr = f"ipc://{socket_dir}/output"
-        context = zmq.asyncio.Context()
-        to_engine = context.socket(zmq.PUSH)
-        to_engine.bind(input_addr)
-        from_engine = context.socket(zmq.PULL)
-        from_engine.bind(output_addr)
+        and nothing here imports torch (`spawn.py`). `api_server_count`: the API processes
+        the engine will serve, this one the first (the others `attach`)."""
+        sockets = EngineSockets(Path(tempfile.mkdtemp(prefix="metrale-")), api_server_count)
         if isinstance(engine, EngineSpec):
             config = None
             tensor_parallel_size = engine.engine_args.tensor_parallel_size
@@ -113,7 +120,7 @@ class EngineClient:
                 target=run_engine_core,
                 name="engine-core",
                 daemon=True,
-                args=(engine, input_addr, output_addr, None, True),
+                args=(engine, sockets, None, True),
             )
         else:
             worker = multiprocessing.get_context("spawn").Process(
@@ -122,7 +129,7 @@ class EngineClient:
                 # It starts the tensor-parallel ranks past 0 itself, which a daemonic process
                 # may not; it exits when this process goes away either way (core_loop.py).
                 daemon=tensor_parallel_size == 1,
-                args=(engine, input_addr, output_addr),
+                args=(engine, sockets),
             )
         with engine_process_allocator(not in_process and on_cpu and envs.tcmalloc()) as allocator:
             worker.start()
@@ -130,7 +137,18 @@ class EngineClient:
             logger.info("engine core process %d started", worker.pid)
         if allocator != "glibc":
             logger.info("engine process allocator: %s", allocator)
-        return cls(config, worker, context, to_engine, from_engine, socket_dir)
+        return cls(config, worker, zmq.asyncio.Context(), sockets)
+
+    @classmethod
+    def attach(cls, sockets: EngineSockets, client: int, engine_pid: int) -> EngineClient:
+        """An API process past the first joins the engine that one launched, as its `client`th
+        API process; `ready()` then waits for the engine as the first does."""
+        return cls(None, EngineProcess(engine_pid), zmq.asyncio.Context(), sockets, client)
+
+    @property
+    def engine_pid(self) -> int | None:
+        """The engine process's id (None for an engine in a thread)."""
+        return getattr(self._worker, "pid", None)
 
     async def ready(self, config: EngineConfig, startup_timeout_s: float = 900.0) -> None:
         """Wait until the engine has loaded the model (stopping it if that fails or times out).
@@ -233,8 +251,15 @@ class EngineClient:
             raise EngineDeadError(self._dead_reason)
 
     async def shutdown(self, timeout_s: float = 5.0) -> None:
-        """Ask the engine to stop, then make sure it has (once: later calls do nothing)."""
+        """Ask the engine to stop, then make sure it has (once: later calls do nothing). An
+        attached client only lets go of it: the first API process stops it."""
         if self._to_engine.closed:
+            return
+        if isinstance(self._worker, EngineProcess):
+            self._dead_reason = self._dead_reason or "this API process let go of the engine"
+            self._to_engine.close(linger=0)
+            self._from_engine.close(linger=0)
+            self._context.term()
             return
         process = isinstance(self._worker, multiprocessing.process.BaseProcess)
         if process and self.forward is None:
@@ -253,4 +278,31 @@ class EngineClient:
         self._to_engine.close(linger=0)
         self._from_engine.close(linger=0)
         self._context.term()
-        shutil.rmtree(self._socket_dir, ignore_errors=True)
+        shutil.rmtree(self.sockets.directory, ignore_errors=True)
+
+
+class EngineProcess:
+    """An engine process that another process started, as an attached client watches it: alive
+    while its id names a process that has not exited (a zombie, exited but not yet reaped by
+    its parent, counts as exited)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.exitcode: int | None = None
+
+    def is_alive(self) -> bool:
+        if not _PROC.exists():  # no /proc (macOS): whether the id is in use
+            try:
+                os.kill(self.pid, 0)
+            except ProcessLookupError:
+                return False
+            return True
+        try:
+            with open(f"/proc/{self.pid}/stat", "rb") as f:
+                state = f.read().rsplit(b")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            return False
+        return state not in (b"Z", b"X")
+
+
+_PROC = Path("/proc/self/stat")

@@ -1,9 +1,10 @@
 """The engine core's busy loop, as run in its own process (or thread) behind ZMQ sockets.
 
-Each turn drains every message waiting on the input socket (new requests, aborts), runs one
+Each turn drains every message waiting on the input sockets (new requests, aborts), runs one
 engine step if any request is unfinished, and sends the outputs with the KV pool's state. When
-nothing is unfinished it blocks on the input socket instead of spinning. It never waits on the
-API process: outputs are pushed, not requested.
+nothing is unfinished it blocks on the input sockets instead of spinning. It never waits on the
+API processes: outputs are pushed, not requested. With several API processes
+(`--api-server-count`) each has its own pair of sockets (`ApiLinks`).
 """
 
 from __future__ import annotations
@@ -23,13 +24,15 @@ from metrale.engine.messages import (
     EngineOutput,
     EngineRequest,
     Failed,
+    KVCacheStats,
     MessageKind,
     Outputs,
     Ready,
+    StepStats,
     decode,
     encode,
 )
-from metrale.engine.spawn import EngineSpec
+from metrale.engine.spawn import EngineSockets, EngineSpec
 from metrale.engine.stats import forward_info, kv_cache_stats
 from metrale.engine_config import EngineConfig
 from metrale.telemetry import logs
@@ -41,8 +44,7 @@ IDLE_POLL_MS = 500  # how often an idle engine checks that its parent is still a
 
 def run_engine_core(
     engine: EngineConfig | EngineSpec,
-    input_addr: str,
-    output_addr: str,
+    sockets: EngineSockets,
     context: zmq.Context | None = None,
     in_process: bool = False,
 ) -> None:
@@ -63,18 +65,14 @@ def run_engine_core(
             sys.stdout = os.fdopen(1, "w", buffering=1)
             sys.stderr = os.fdopen(2, "w", buffering=1)
         logs.configure()  # in the format the API process was started with
-    context = context or zmq.Context()
-    inputs = context.socket(zmq.PULL)
-    inputs.connect(input_addr)
-    outputs = context.socket(zmq.PUSH)
-    outputs.connect(output_addr)
+    links = ApiLinks(context or zmq.Context(), sockets)
     core = None
     try:
         if isinstance(engine, EngineSpec):
             try:
                 config = engine.resolve()
             except Exception as e:
-                outputs.send_multipart(encode(MessageKind.FAILED, Failed(_one_line(e))))
+                links.broadcast(MessageKind.FAILED, Failed(_one_line(e)))
                 return
         else:
             config = engine
@@ -86,26 +84,23 @@ def run_engine_core(
             )
         except Exception as e:
             logger.exception("engine core failed to start")
-            outputs.send_multipart(encode(MessageKind.FAILED, Failed(_one_line(e))))
+            links.broadcast(MessageKind.FAILED, Failed(_one_line(e)))
             return
         # Everything built so far (the block pool's tens of thousands of blocks, the model)
         # lives as long as the engine: keep it out of the garbage collector's sweeps, which
         # would otherwise walk it again and again from inside the busy loop.
         gc.freeze()
-        outputs.send_multipart(
-            encode(MessageKind.READY, Ready(kv_cache_stats(core), forward_info(core)))
-        )
-        _serve(core, inputs, outputs, parent_pid=None if in_process else os.getppid())
+        links.broadcast(MessageKind.READY, Ready(kv_cache_stats(core), forward_info(core)))
+        _serve(core, links, parent_pid=None if in_process else os.getppid())
     except Exception:
         message = traceback.format_exc()
         logger.error("engine core died:\n%s", message)
-        outputs.send_multipart(encode(MessageKind.FAILED, Failed(message)))
+        links.broadcast(MessageKind.FAILED, Failed(message))
         raise
     finally:
         if core is not None:
             core.shutdown()
-        outputs.close(linger=1000)
-        inputs.close(linger=0)
+        links.close()
 
 
 def _one_line(e: Exception) -> str:
@@ -119,31 +114,108 @@ def _exit_on_rank_death(reason: str) -> None:
     os._exit(1)
 
 
-def _serve(
-    core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket, parent_pid: int | None
-) -> None:
+class ApiLinks:
+    """The API processes an engine core serves: an input socket and an output socket each, in
+    the order of `EngineSockets`. A request's outputs (and its refusal) go to the process that
+    added it; every process gets the KV pool's state with each batch, and the first one, which
+    reports the engine's own figures (`Telemetry`), the step statistics too."""
+
+    def __init__(self, context: zmq.Context, sockets: EngineSockets) -> None:
+        self.inputs, self.outputs = [], []
+        self.poller = zmq.Poller()
+        for client in range(sockets.num_clients):
+            inputs = context.socket(zmq.PULL)
+            inputs.connect(sockets.input(client))
+            self.poller.register(inputs, zmq.POLLIN)
+            self.inputs.append(inputs)
+            outputs = context.socket(zmq.PUSH)
+            outputs.connect(sockets.output(client))
+            self.outputs.append(outputs)
+        self.owner: dict[str, int] = {}  # request id -> its API process, with several
+
+    def receive(self, timeout_ms: int) -> list[tuple[int, MessageKind, object]]:
+        """The messages waiting, each with the index of the API process that sent it; waits up
+        to `timeout_ms` for the first when none is."""
+        if len(self.inputs) == 1:
+            inputs = self.inputs[0]
+            if not inputs.poll(timeout_ms):
+                return []
+            return [(0, *decode(inputs.recv_multipart()))]
+        ready = dict(self.poller.poll(timeout_ms))
+        return [
+            (client, *decode(inputs.recv_multipart()))
+            for client, inputs in enumerate(self.inputs)
+            if ready.get(inputs)
+        ]
+
+    def added(self, client: int, request_id: str) -> None:
+        if len(self.outputs) > 1:
+            self.owner.setdefault(request_id, client)  # (a duplicate id is refused)
+
+    def send(
+        self,
+        outputs: list[EngineOutput],
+        kv_cache: KVCacheStats,
+        rejected: list[tuple[int, str, str]],
+        steps: list[StepStats],
+    ) -> None:
+        """One batch: `rejected` holds (API process, request id, why) for the refused."""
+        if len(self.outputs) == 1:
+            message = Outputs(outputs, kv_cache, [(r, why) for _, r, why in rejected], steps)
+            self.outputs[0].send_multipart(encode(MessageKind.OUTPUTS, message))
+            return
+        parts: list[list[EngineOutput]] = [[] for _ in self.outputs]
+        refused: list[list[tuple[str, str]]] = [[] for _ in self.outputs]
+        for output in outputs:
+            owner = self.owner.get(output.request_id, 0)
+            if output.finish_reason is not None:
+                self.owner.pop(output.request_id, None)
+            parts[owner].append(output)
+        for client, request_id, reason in rejected:
+            if self.owner.get(request_id) == client:
+                del self.owner[request_id]
+            refused[client].append((request_id, reason))
+        for client, socket in enumerate(self.outputs):
+            own_steps = steps if client == 0 else []
+            message = Outputs(parts[client], kv_cache, refused[client], own_steps)
+            socket.send_multipart(encode(MessageKind.OUTPUTS, message))
+
+    def broadcast(self, kind: MessageKind, payload: object) -> None:
+        frames = encode(kind, payload)
+        for outputs in self.outputs:
+            outputs.send_multipart(frames)
+
+    def close(self) -> None:
+        for outputs in self.outputs:
+            outputs.close(linger=1000)
+        for inputs in self.inputs:
+            inputs.close(linger=0)
+
+
+def _serve(core: EngineCore, links: ApiLinks, parent_pid: int | None) -> None:
     while True:
         step_outputs: list[EngineOutput] = []
-        rejected: list[tuple[str, str]] = []
+        rejected: list[tuple[int, str, str]] = []
         changed = False
         timeout_ms = 0 if core.has_unfinished_requests() else IDLE_POLL_MS
-        while inputs.poll(timeout_ms):
+        while messages := links.receive(timeout_ms):
             timeout_ms = 0
             changed = True
-            kind, payload = decode(inputs.recv_multipart())
-            if kind is MessageKind.SHUTDOWN:
-                return
-            if kind is MessageKind.ADD:
-                assert isinstance(payload, EngineRequest)
-                try:
-                    core.add_request(payload)
-                except ValueError as e:
-                    rejected.append((payload.request_id, str(e)))
-            elif kind is MessageKind.ABORT:
-                assert isinstance(payload, list)
-                for request_id in payload:
-                    if (aborted := core.abort_request(request_id)) is not None:
-                        step_outputs.append(aborted)
+            for client, kind, payload in messages:
+                if kind is MessageKind.SHUTDOWN:
+                    return
+                if kind is MessageKind.ADD:
+                    assert isinstance(payload, EngineRequest)
+                    links.added(client, payload.request_id)
+                    try:
+                        core.add_request(payload)
+                    except ValueError as e:
+                        rejected.append((client, payload.request_id, str(e)))
+                elif kind is MessageKind.ABORT:
+                    assert isinstance(payload, list)
+                    for request_id in payload:
+                        if (aborted := core.abort_request(request_id)) is not None:
+                            step_outputs.append(aborted)
         if parent_pid is not None and os.getppid() != parent_pid:
             logger.warning("the API process is gone; engine core exiting")
             return
@@ -153,5 +225,4 @@ def _serve(
         if changed:
             steps = list(core.step_stats)
             core.step_stats.clear()
-            message = Outputs(step_outputs, kv_cache_stats(core), rejected, steps)
-            outputs.send_multipart(encode(MessageKind.OUTPUTS, message))
+            links.send(step_outputs, kv_cache_stats(core), rejected, steps)

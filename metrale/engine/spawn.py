@@ -25,6 +25,22 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
+class EngineSockets:
+    """Where an engine core and the API processes it serves meet: a directory of IPC sockets, an
+    input and an output for each API process (`--api-server-count`; the first is the one that
+    started the engine). Each API process binds its own pair; the engine connects to all."""
+
+    directory: Path
+    num_clients: int = 1
+
+    def input(self, client: int) -> str:
+        return f"ipc://{self.directory}/input-{client}"
+
+    def output(self, client: int) -> str:
+        return f"ipc://{self.directory}/output-{client}"
+
+
+@dataclass(frozen=True)
 class EngineSpec:
     """An engine core to be: the flags as typed, the checkpoint they were resolved to, and which
     data-parallel core it is."""
@@ -44,9 +60,7 @@ class EngineSpec:
         return config.for_core(self.data_parallel_rank) if config.data_parallel_size > 1 else config
 
 
-def run_engine_process(
-    engine: EngineConfig | EngineSpec, input_addr: str, output_addr: str
-) -> None:
+def run_engine_process(engine: EngineConfig | EngineSpec, sockets: EngineSockets) -> None:
     """The engine process's target: pickled by name, so its module must import no torch.
 
     Once the engine has stopped (its ranks, sockets and logs closed) and the exit handlers have
@@ -61,7 +75,7 @@ def run_engine_process(
     try:
         from metrale.engine.core_loop import run_engine_core
 
-        run_engine_core(engine, input_addr, output_addr)
+        run_engine_core(engine, sockets)
         code = 0
     finally:
         atexit._run_exitfuncs()
