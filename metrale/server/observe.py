@@ -15,6 +15,8 @@ from metrale.server.errors import APIError
 from metrale.server.state import ServerState
 from metrale.telemetry import events
 from metrale.telemetry.bus import DEFAULT_QUEUE_SIZE, Subscription, parse_types
+from metrale.telemetry.metrics import TEXT_CONTENT_TYPE
+from metrale.telemetry.metrics_peers import merge_expositions
 
 router = APIRouter()
 
@@ -28,10 +30,10 @@ async def metrics(request: Request) -> Response:
     telemetry = state.llm.telemetry
     if telemetry.metrics is None:
         raise APIError("metrics are off on this server", 404)
-    telemetry.flush()
-    telemetry.metrics.event_subscribers.set(telemetry.bus.num_subscribers)
-    body, content_type = telemetry.metrics.render()
-    return Response(body, media_type=content_type)
+    body = telemetry.exposition()
+    if state.metrics_peers is not None:  # the other API processes' series added in
+        body = merge_expositions([body, *await state.metrics_peers.gather()])
+    return Response(body, media_type=TEXT_CONTENT_TYPE)
 
 
 @router.get("/v1/events")
@@ -42,6 +44,12 @@ async def event_stream(
     `types` picks event types (comma-separated; a family such as `request` takes all of its
     types); `queue` is this reader's buffer: events past it are lost, and told in `dropped`."""
     state: ServerState = request.app.state.server
+    if state.api_server_count > 1:
+        raise APIError(
+            "/v1/events is not available with --api-server-count above 1 yet: each API process "
+            "sees only the streams it serves (read /metrics, which adds every process up)",
+            501,
+        )
     try:
         chosen = parse_types(types)
     except ValueError as e:

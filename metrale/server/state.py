@@ -17,6 +17,7 @@ from metrale.server.errors import APIError, model_not_found
 from metrale.server.security.config import SecurityConfig
 from metrale.server.security.guard import Guard
 from metrale.server.stores import RecordStore, open_store
+from metrale.telemetry.metrics_peers import MetricsPeers
 from metrale.tokenizer import Tokenizer
 
 
@@ -74,6 +75,10 @@ class ServerState:
     store: RecordStore = field(default_factory=lambda: open_store("memory"))
     # Background responses running now: id -> (their task, their run).
     background: dict[str, tuple[asyncio.Task, Any]] = field(default_factory=dict)
+    # `--api-server-count`: the API processes serving, this one among them; with more than
+    # one, the others' /metrics series come from `metrics_peers`.
+    api_server_count: int = 1
+    metrics_peers: MetricsPeers | None = None
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.settings.served_model_name:

@@ -50,8 +50,12 @@ class Telemetry:
         metrics: Metrics | None,
         bus: EventBus | None = None,
         clock: Callable[[], float] = time.monotonic,
+        reports_engine: bool = True,
     ) -> None:
         self.metrics = metrics
+        # Whether the engine's own figures (its gauges, steps and pool counters) are this
+        # process's to report: with several API processes only the first's are (each gets them).
+        self.reports_engine = reports_engine
         self.bus = bus or EventBus()
         self.clock = clock
         self.live: dict[str, _Live] = {}
@@ -203,6 +207,9 @@ class Telemetry:
 
     def engine_outputs(self, batch: Outputs, now: float) -> None:
         """The engine's state and its steps' figures, as one batch of outputs brought them."""
+        if not self.reports_engine:
+            self.flush()
+            return
         kv, previous = batch.kv_cache, self._kv
         self._kv = kv
         metrics = self.metrics
@@ -323,6 +330,13 @@ class Telemetry:
         if self.metrics is not None and self._generated_tokens != self._generated_counted:
             self.metrics.generation_tokens.inc(self._generated_tokens - self._generated_counted)
             self._generated_counted = self._generated_tokens
+
+    def exposition(self) -> bytes:
+        """This process's series in Prometheus' text format, brought up to date."""
+        assert self.metrics is not None
+        self.flush()
+        self.metrics.event_subscribers.set(self.bus.num_subscribers)
+        return self.metrics.render()[0]
 
     # -- the routes ----------------------------------------------------------------------------
 

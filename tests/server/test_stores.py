@@ -559,3 +559,52 @@ def test_backends_agree_with_a_reference_model(ops: list[tuple[Any, ...]]) -> No
         finally:
             for store in stores:
                 store.close()
+
+
+def test_processes_that_share_a_sqlite_store_keep_its_limits_together(tmp_path: Path) -> None:
+    """Several API processes (`--api-server-count`) open one file: each call reads what the
+    others wrote, so recency, eviction and the limits are the file's, not one process's."""
+    path = tmp_path / "shared.db"
+    limits = StoreLimits(max_entries=2, max_bytes=10_000, ttl_s=3600)
+    one = SqliteStore(path, limits, shared=True)
+    two = SqliteStore(path, limits, shared=True)
+    try:
+        one.put("response", "a", {"n": 1})
+        two.put("response", "b", {"n": 2})
+        assert one.get("response", "a") == {"n": 1}  # "a" is now more recent than "b"
+        two.put("response", "c", {"n": 3})  # over the limit: the least recent, "b", goes
+        assert len(one) == len(two) == 2
+        assert two.get("response", "b") is None
+        assert one.get("response", "a") == {"n": 1} and one.get("response", "c") == {"n": 3}
+    finally:
+        one.close()
+        two.close()
+
+
+def _put_many(path: str, prefix: str, count: int) -> None:
+    store = SqliteStore(path, StoreLimits(max_entries=30, max_bytes=10**6, ttl_s=3600), shared=True)
+    try:
+        for i in range(count):
+            store.put("response", f"{prefix}{i}", {"i": i, "pad": "x" * 100})
+    finally:
+        store.close()
+
+
+def test_concurrent_writers_in_processes_never_pass_the_limits(tmp_path: Path) -> None:
+    import multiprocessing
+
+    path = str(tmp_path / "shared.db")
+    SqliteStore(path).close()  # the schema in place before the writers race
+    context = multiprocessing.get_context("spawn")
+    writers = [context.Process(target=_put_many, args=(path, p, 80)) for p in "xyz"]
+    for writer in writers:
+        writer.start()
+    for writer in writers:
+        writer.join(120)
+    assert [w.exitcode for w in writers] == [0, 0, 0]
+    rows = sqlite3.connect(path).execute("SELECT COUNT(*) FROM records").fetchone()[0]
+    assert rows == 30  # and not one process's view of it
+    keys = [k for (k,) in sqlite3.connect(path).execute("SELECT key FROM records")]
+    for prefix in "xyz":  # eviction by the file's recency: what is left of a writer is its last
+        kept = sorted(int(key[1:]) for key in keys if key[0] == prefix)
+        assert kept == list(range(80 - len(kept), 80))

@@ -11,9 +11,12 @@ import asyncio
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import sys
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 
 from metrale.distributed.launch import Launch
 from metrale.engine.client import EngineClient, EngineDeadError
@@ -21,6 +24,11 @@ from metrale.engine.spawn import EngineSpec
 from metrale.engine.watchdog import DEFAULT_MIN_REPEATS, MIN_SPAN
 from metrale.engine_args import EngineArgs
 from metrale.entrypoints.cli import Subcommand, register
+from metrale.entrypoints.cli.api_processes import (
+    ApiProcesses,
+    check_api_server_count,
+    listening_socket,
+)
 from metrale.entrypoints.cli.startup import Startup, phase
 from metrale.server.security.config import SecurityConfig
 from metrale.server.stores import RecordStore, StoreLimits, open_store
@@ -58,6 +66,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="stream a request's tokens in events of this many (the first token and the last "
         "go at once): fewer, larger events cost the server less per token at high concurrency "
         "(default 1: an event per token, or per engine step's tokens)",
+    )
+    g.add_argument(
+        "--api-server-count",
+        type=_at_least_one,
+        default=1,
+        metavar="N",
+        help="API processes serving the one engine on the same port (each detokenizes and "
+        "streams the connections it accepts): more than one where a single process cannot "
+        "keep up with the engine (hundreds of concurrent streams on a fast GPU); not yet with "
+        "--data-parallel-size, --tui, --max-queued-requests or rate limits (default 1)",
     )
     g.add_argument(
         "--always-include-usage",
@@ -255,7 +273,9 @@ async def _serve(args: argparse.Namespace) -> int:
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, main.cancel)
     engine_args = EngineArgs.from_cli(args)
     security = SecurityConfig.from_cli(args)  # a bad flag stops us before the weights load
-    store = _open_store(args)
+    check_api_server_count(args, engine_args, security)
+    per_run_store = _share_memory_store(args)
+    store = open_record_store(args)
     bus = EventBus()
     bus.bind_loop()
     root = logging.getLogger()
@@ -266,6 +286,8 @@ async def _serve(args: argparse.Namespace) -> int:
         return await _start_and_serve(args, engine_args, security, bus, store)
     finally:
         store.close()
+        if per_run_store is not None:
+            shutil.rmtree(per_run_store, ignore_errors=True)
         root.removeHandler(log_events)
         if dashboard is not None:
             dashboard.cancel()
@@ -318,29 +340,51 @@ async def _start_and_serve(
         model_dir = engine_args.resolve_model_dir()
         if engine_args.is_demo:
             logger.log(*demo.notice())
+    count = args.api_server_count
+    listener = listening_socket(args.bind, args.port) if count > 1 else None
     # The engine process starts now: it imports torch and loads the model while this process
     # imports its own torch and server and checks the flags (a process per core with data
-    # parallelism, started once the flags are checked).
-    early = None
+    # parallelism, started once the flags are checked); the other API processes too.
+    early = extras = None
     if engine_args.data_parallel_size == 1:
-        early = EngineClient.launch(
-            EngineSpec(engine_args, model_dir), in_process=args.engine_in_thread
-        )
+        spec = EngineSpec(engine_args, model_dir)
+        if count == 1:  # (its own keywords only: tests stand in for it)
+            early = EngineClient.launch(spec, in_process=args.engine_in_thread)
+        else:
+            early = EngineClient.launch(spec, api_server_count=count)
     try:
-        return await Startup(args, engine_args, security, bus, store, model_dir).run(early)
+        if listener is not None and early is not None:
+            extras = ApiProcesses.start(args, model_dir, early, listener)
+        startup = Startup(args, engine_args, security, bus, store, model_dir)
+        return await startup.run(early, listener=listener, extras=extras)
     finally:
+        if extras is not None:
+            await extras.stop()
         if early is not None:
             await early.shutdown()
+        if listener is not None:
+            listener.close()
 
 
-def _open_store(args: argparse.Namespace) -> RecordStore:
+def _share_memory_store(args: argparse.Namespace) -> Path | None:
+    """Several API processes share one store: for `--response-store memory`, a SQLite file of
+    this run's (its directory, removed when the server stops; None with one process)."""
+    if args.api_server_count == 1 or args.response_store != "memory":
+        return None
+    directory = Path(tempfile.mkdtemp(prefix="metrale-store-"))
+    args.response_store = f"sqlite:{directory / 'records.db'}"
+    logger.info("response store: this run's, shared by the API processes")
+    return directory
+
+
+def open_record_store(args: argparse.Namespace) -> RecordStore:
     try:
         limits = StoreLimits(
             max_entries=args.response_store_max_entries,
             max_bytes=int(args.response_store_max_mb * 2**20),
             ttl_s=args.response_store_ttl * 3600,
         )
-        store = open_store(args.response_store, limits)
+        store = open_store(args.response_store, limits, shared=args.api_server_count > 1)
     except ValueError as e:
         raise SystemExit(f"met serve: --response-store: {e}") from None
     logger.info("response store: %s (%d records kept)", args.response_store, len(store))

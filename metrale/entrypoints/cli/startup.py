@@ -15,8 +15,9 @@ import dataclasses
 import gc
 import logging
 import signal
+import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,9 +37,11 @@ if TYPE_CHECKING:
 
     from metrale.engine.data_parallel_client import DataParallelClient
     from metrale.engine_config import EngineConfig
+    from metrale.entrypoints.cli.api_processes import ApiProcesses
     from metrale.frontend.async_llm import AsyncLLM
     from metrale.frontend.parser_selection import BehaviorChoice, Source
     from metrale.server.state import ServerSettings
+    from metrale.telemetry.metrics_peers import MetricsPeers
     from metrale.tokenizer import Tokenizer
 
 logger = logging.getLogger("metrale.serve")
@@ -85,30 +88,47 @@ class Startup:
         bus: EventBus,
         store: RecordStore,
         model_dir: Path,
+        api_process: int = 0,
     ) -> None:
         self.args = args
+        self.api_process = api_process  # which of `--api-server-count`'s processes this is
         self.engine_args = engine_args
         self.security = security
         self.bus = bus
         self.store = store
         self.model_dir = model_dir
 
-    async def run(self, early: EngineClient | None) -> int:
+    async def run(
+        self,
+        early: EngineClient | None,
+        *,
+        listener: socket.socket | None = None,
+        extras: ApiProcesses | None = None,
+        on_serving: Callable[[], None] | None = None,
+    ) -> int:
+        """Start up and serve until stopped; 0, or 1 when another API process died. `early`:
+        the engine launched (or attached to, past the first API process); `listener`: the
+        socket bound already (several API processes), `extras` the others (the first's)."""
         _import_server()  # while the engine loads the model, not after it is ready
         config, sources = self.load_config()
         self.describe(config)
         client = await self.start_engine(config, early)
         config = client.config  # with the KV pool size the engine settled on
-        llm = None
+        llm = peers = None
+        failed = False
         try:
             tokenizer, behavior = self.tokenizer_and_behavior(config, sources)
             llm = self.engine_frontend(client, config, tokenizer)
-            app = self.server_app(llm, config, tokenizer, behavior)
-            await self.serve(app)
+            app, peers = self.server_app(llm, config, tokenizer, behavior)
+            failed = await self.serve(app, listener, extras, on_serving)
         finally:
             logger.info("shutting down")
+            if extras is not None:
+                await extras.stop()  # before the engine they stream from
+            if peers is not None:
+                await peers.close()
             await (llm.shutdown() if llm is not None else client.shutdown())
-        return 0
+        return 1 if failed else 0
 
     def load_config(self) -> tuple[EngineConfig, list[Source]]:
         """The engine's config as the engine resolves it, and where the parsers and the
@@ -229,7 +249,7 @@ class Startup:
         with phase("scheduler", self.bus):
             name = self.served_model_name
             metrics = Metrics(name, config.scheduler.max_seq_len) if config.log_stats else None
-            telemetry = Telemetry(metrics, self.bus)
+            telemetry = Telemetry(metrics, self.bus, reports_engine=self.api_process == 0)
             llm = AsyncLLM(client, tokenizer, telemetry, self.args.stream_interval)
             llm.start()
             assert client.kv_cache is not None
@@ -245,13 +265,21 @@ class Startup:
 
     def server_app(
         self, llm: AsyncLLM, config: EngineConfig, tokenizer: Tokenizer, behavior: BehaviorChoice
-    ) -> FastAPI:
-        """The HTTP app around the engine: its settings, its state and its routes."""
+    ) -> tuple[FastAPI, MetricsPeers | None]:
+        """The HTTP app around the engine: its settings, its state and its routes; with several
+        API processes, this one's link to the others' metrics."""
         from metrale.server.app import build_app
         from metrale.server.security.guard import Guard
         from metrale.server.state import ServerState
+        from metrale.telemetry.metrics_peers import MetricsPeers
 
         with phase("router", self.bus):
+            count = self.args.api_server_count
+            peers = None
+            if count > 1 and llm.telemetry.metrics is not None:
+                directory = llm.client.sockets.directory
+                peers = MetricsPeers(directory, self.api_process, count, llm.telemetry.exposition)
+                peers.start()
             settings = self._settings(behavior)
             state = ServerState(
                 llm,
@@ -263,6 +291,8 @@ class Startup:
                 ),
                 guard=Guard(self.security),
                 store=self.store,
+                api_server_count=count,
+                metrics_peers=peers,
             )
             if self.security.api_keys:
                 logger.info(
@@ -271,7 +301,7 @@ class Startup:
                     "every route but /health" if self.security.require_auth else "/v1 routes",
                 )
             app = build_app(state)
-        return app
+        return app, peers
 
     def _settings(self, behavior: BehaviorChoice) -> ServerSettings:
         from metrale.server.state import ServerSettings
@@ -294,9 +324,15 @@ class Startup:
             access_log=not args.no_access_log,
         )
 
-    async def serve(self, app: FastAPI) -> None:
-        """Serve HTTP until SIGINT or SIGTERM; the "listening" phase ends when the socket is
-        open."""
+    async def serve(
+        self,
+        app: FastAPI,
+        listener: socket.socket | None = None,
+        extras: ApiProcesses | None = None,
+        on_serving: Callable[[], None] | None = None,
+    ) -> bool:
+        """Serve HTTP until SIGINT or SIGTERM, or until another API process dies (then True);
+        the "listening" phase ends when this process and the others serve."""
         args = self.args
         server = _Server(
             uvicorn.Config(
@@ -314,17 +350,42 @@ class Startup:
         number = PHASES.index("listening") + 1
         self.bus.publish(Phase(index=number, total=len(PHASES), name="listening"))
         start = time.perf_counter()
+        failure: list[str] = []
 
         async def announce() -> None:
             while not server.started:
                 await asyncio.sleep(0.05)
+            if on_serving is not None:
+                on_serving()
+            if extras is not None:
+                try:
+                    await extras.wait_serving()
+                except RuntimeError:  # one died first: watch() stops the server
+                    return
             _finished(number, "listening", time.perf_counter() - start, self.bus)
-            logger.info("serving %s on http://%s:%d", self.served_model_name, args.bind, args.port)
+            logger.info(
+                "serving %s on http://%s:%d%s",
+                self.served_model_name,
+                args.bind,
+                args.port,
+                f" ({args.api_server_count} API processes)" if extras is not None else "",
+            )
 
-        announcer = asyncio.create_task(announce())
+        async def watch() -> None:
+            while extras is not None and (reason := extras.dead()) is None:
+                await asyncio.sleep(0.2)
+            logger.error("%s: shutting the server down", reason)
+            failure.append(reason)
+            server.handle_exit(signal.SIGTERM, None)
+
+        tasks = [asyncio.create_task(announce())]
+        if extras is not None:
+            tasks.append(asyncio.create_task(watch()))
         _freeze_startup_heap()
-        await server.serve()
-        announcer.cancel()
+        await server.serve(sockets=None if listener is None else [listener])
+        for task in tasks:
+            task.cancel()
+        return bool(failure)
 
 
 def _freeze_startup_heap() -> None:
@@ -390,6 +451,7 @@ def effective_config(
             # "uvloop" where installed (serve.py's _event_loop_factory), else "asyncio"
             "event_loop": type(asyncio.get_running_loop()).__module__.split(".")[0],
             "stream_interval": args.stream_interval,
+            "api_server_count": args.api_server_count,
             **plain(settings),
         },
         # where the parsers and the thinking budget came from: a flag, MODEL.toml, a recipe...

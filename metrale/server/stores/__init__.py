@@ -17,13 +17,18 @@ __all__ = ["Page", "RecordStore", "StoreLimits", "open_store"]
 SQLITE_PREFIX = "sqlite:"
 
 
-def open_store(spec: str, limits: StoreLimits = DEFAULT_LIMITS) -> RecordStore:
-    """The store `spec` names: "memory", or "sqlite:PATH" (PATH may start with ~)."""
+def open_store(
+    spec: str, limits: StoreLimits = DEFAULT_LIMITS, *, shared: bool = False
+) -> RecordStore:
+    """The store `spec` names: "memory", or "sqlite:PATH" (PATH may start with ~). `shared`:
+    other processes use the same file at the same time (only a SQLite store can be)."""
     if spec == "memory":
+        if shared:
+            raise ValueError("a store in memory belongs to one process; share a sqlite: one")
         return MemoryStore(limits)
     path = spec.removeprefix(SQLITE_PREFIX)
     if spec.startswith(SQLITE_PREFIX) and path:
-        return SqliteStore(Path(path).expanduser(), limits)
+        return SqliteStore(Path(path).expanduser(), limits, shared=shared)
     raise ValueError(
         f"unknown record store {spec!r}: use 'memory' (kept in this process, lost on restart) "
         "or 'sqlite:PATH' (a SQLite file that survives restarts, e.g. sqlite:~/.metrale/store.db)"

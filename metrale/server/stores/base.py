@@ -168,6 +168,7 @@ class RecordStore(abc.ABC):
             if self._closed:
                 raise RuntimeError("the record store is closed")
             try:
+                self._begin()
                 now_s = self._clock()
                 self._expire(now_s)
                 yield now_s
@@ -230,6 +231,11 @@ class RecordStore(abc.ABC):
 
     @abc.abstractmethod
     def _num_bytes(self) -> int: ...
+
+    @abc.abstractmethod
+    def _begin(self) -> None:
+        """Start a call (a backend shared with other processes takes its lock and reads back
+        what they changed)."""
 
     @abc.abstractmethod
     def _commit(self) -> None:

@@ -87,6 +87,9 @@ class MemoryStore(RecordStore):
     def _num_bytes(self) -> int:
         return self._total_bytes
 
+    def _begin(self) -> None:
+        pass  # one process's
+
     def _commit(self) -> None:
         pass  # each write above is already whole and visible
 

@@ -28,7 +28,10 @@ SCAN_BATCH = 64  # rows fetched at a time while listing: a page rarely needs mor
 
 
 class SqliteStore(RecordStore):
-    """One connection, one writer: this process owns the file while the store is open.
+    """One connection, one writer: this process owns the file while the store is open, unless
+    `shared` (several API processes, `--api-server-count`): then each operation takes the
+    file's write lock first (`BEGIN IMMEDIATE`) and reads the totals and the newest stamp back,
+    as the other processes left them.
 
     The row count and byte total live in Python and are read back from the table on opening
     (and after a rollback), so the limits hold across restarts without a scan per call. Kinds
@@ -42,17 +45,28 @@ class SqliteStore(RecordStore):
         limits: StoreLimits = DEFAULT_LIMITS,
         *,
         clock: Callable[[], float] = time.time,
+        shared: bool = False,
     ) -> None:
         super().__init__(limits, clock)
         self.path = Path(path).expanduser()
+        self.shared = shared
         self._conn = _connect(self.path)
         self._num_rows, self._total_bytes = 0, 0
         self._load_totals()
-        newest_s = self._conn.execute("SELECT MAX(touched_at) FROM records").fetchone()[0]
-        if newest_s is not None:
-            self._last_stamp_s = newest_s
+        self._load_newest_stamp()
         with self._operation():
             self._evict()
+
+    def _load_newest_stamp(self) -> None:
+        newest_s = self._conn.execute("SELECT MAX(touched_at) FROM records").fetchone()[0]
+        if newest_s is not None:
+            self._last_stamp_s = max(self._last_stamp_s, newest_s)
+
+    def _begin(self) -> None:
+        if self.shared:  # (the file's write lock, waited for up to sqlite3's 5 s timeout)
+            self._conn.execute("BEGIN IMMEDIATE")
+            self._load_totals()
+            self._load_newest_stamp()
 
     def _load_totals(self) -> None:
         count, total = self._conn.execute("SELECT COUNT(*), TOTAL(size) FROM records").fetchone()

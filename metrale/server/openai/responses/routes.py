@@ -52,6 +52,13 @@ async def create_response(request: Request) -> Any:
     body = await parse_body(request, ResponsesRequest)
     state.check_model(body.model)
     state.check_alive()
+    if body.background and state.api_server_count > 1:
+        raise APIError(
+            "background: not available with --api-server-count above 1 yet (a background "
+            "response runs in one API process, and its stream and cancel must reach that one)",
+            400,
+            param="background",
+        )
     tools = tool_set(body.tools)
     if body.previous_response_id is not None:
         past = records.history(state.store, body.previous_response_id)

@@ -1,0 +1,230 @@
+"""`met serve --api-server-count N`: the API processes past the first.
+
+One API process detokenizes, frames and writes every stream, and at a few hundred concurrent
+streams on a fast GPU it is the server's bound (issue 24's B4). With N, the process `met serve`
+runs in (the first) launches the engine and binds the listening socket before anything else,
+then starts N - 1 more: each is given the socket (all of them accept on it, and the kernel hands
+each connection to one), its own pair of the engine's sockets (`EngineSockets`) and the flags.
+Each builds its own tokenizer, app and telemetry, waits for the engine as the first does, and
+serves. The first alone reports the engine's own figures (`Telemetry.reports_engine`); `/metrics`
+on any of them adds every process's series up (`MetricsPeers`); the record store is one SQLite
+file they share (a temporary one for `--response-store memory`).
+
+The first stops the others (SIGTERM, then their graceful shutdown) before it stops the engine.
+One that exits unasked takes the server down, so an orchestrator restarts it whole; one whose
+parent is gone stops itself. Not yet with several: the state a process keeps for itself (rate
+limits, the queue bound, `/v1/events`, the dashboard, background responses, data parallelism).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import multiprocessing
+import os
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from metrale.engine.spawn import EngineSockets
+
+if TYPE_CHECKING:
+    from metrale.engine.client import EngineClient
+    from metrale.engine_args import EngineArgs
+    from metrale.server.security.config import SecurityConfig
+
+logger = logging.getLogger("metrale.serve")
+
+STOP_TIMEOUT_S = 8.0  # past uvicorn's graceful shutdown (5 s), then a kill
+PARENT_POLL_S = 0.5
+
+
+def check_api_server_count(
+    args: argparse.Namespace, engine_args: EngineArgs, security: SecurityConfig
+) -> None:
+    """Refuse, naming the flag, what several API processes cannot share yet."""
+    if args.api_server_count == 1:
+        return
+    refused = {
+        "--data-parallel-size above 1": engine_args.data_parallel_size > 1,
+        "--engine-in-thread": args.engine_in_thread,
+        "--tui": args.tui,
+        "--max-queued-requests": security.max_queued_requests is not None,
+        "METRALE_RATE_LIMIT_RPM / _TPM": bool(security.rate_limit_rpm or security.rate_limit_tpm),
+    }
+    for what, present in refused.items():
+        if present:
+            raise SystemExit(
+                f"met serve: --api-server-count {args.api_server_count}: not with {what} yet "
+                "(each API process would keep its own part of it); use one API process"
+            )
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound now (a port in use is an error before the model loads) but not
+    listening: connections are refused until the first API process serves."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise SystemExit(f"met serve: cannot listen on {host}:{port}: {e.strerror}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+@dataclass(frozen=True)
+class ApiProcessSpec:
+    """What an API process past the first starts from (pickled into it; the socket's descriptor
+    travels with it)."""
+
+    args: argparse.Namespace
+    model_dir: Path
+    sockets: EngineSockets
+    index: int
+    engine_pid: int
+    parent_pid: int
+    listener: socket.socket
+
+
+class ApiProcesses:
+    """The API processes past the first, as the first sees them."""
+
+    def __init__(self, processes: list[multiprocessing.process.BaseProcess], serving: list) -> None:
+        self.processes = processes
+        self._serving = serving  # an Event each, set once that process serves
+        self._stopping = False
+
+    @classmethod
+    def start(
+        cls,
+        args: argparse.Namespace,
+        model_dir: Path,
+        engine: EngineClient,
+        listener: socket.socket,
+    ) -> ApiProcesses:
+        assert engine.engine_pid is not None
+        context = multiprocessing.get_context("spawn")
+        processes, serving = [], []
+        for index in range(1, engine.sockets.num_clients):
+            spec = ApiProcessSpec(
+                args, model_dir, engine.sockets, index, engine.engine_pid, os.getpid(), listener
+            )
+            event = context.Event()
+            process = context.Process(
+                target=run_api_process,
+                name=f"metrale-api-{index}",
+                args=(spec, event),
+                daemon=True,
+            )
+            process.start()
+            processes.append(process)
+            serving.append(event)
+        logger.info(
+            "%d more API process%s started (pid %s)",
+            len(processes),
+            "es" if len(processes) > 1 else "",
+            ", ".join(str(p.pid) for p in processes),
+        )
+        return cls(processes, serving)
+
+    def dead(self) -> str | None:
+        """Why the server must stop: an API process that exited unasked (None while all run)."""
+        if self._stopping:
+            return None
+        for index, process in enumerate(self.processes, start=1):
+            if not process.is_alive():
+                return f"API process {index} exited (exit code {process.exitcode})"
+        return None
+
+    async def wait_serving(self) -> None:
+        """Until every one serves; raises RuntimeError if one exits first."""
+        while not all(event.is_set() for event in self._serving):
+            if (reason := self.dead()) is not None:
+                raise RuntimeError(reason)
+            await asyncio.sleep(0.05)
+
+    async def stop(self) -> None:
+        """SIGTERM to each (their graceful shutdown), then a kill for any still running."""
+        self._stopping = True
+        for process in self.processes:
+            if process.is_alive() and process.pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(process.pid, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        while any(p.is_alive() for p in self.processes) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for process in self.processes:
+            if process.is_alive():
+                logger.warning("API process %s did not stop: killed", process.name)
+                process.kill()
+            process.join(1.0)
+
+
+def run_api_process(spec: ApiProcessSpec, serving: object) -> None:
+    """An API process past the first: the server around the engine the first launched, on the
+    socket the first bound. Ctrl-C reaches the first, which stops this one by SIGTERM."""
+    from metrale.entrypoints.cli.serve import _event_loop_factory
+    from metrale.telemetry import logs
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logs.configure()
+    # The first process tells the startup; this one logs its requests and what goes wrong.
+    for name in ("metrale.serve", "metrale.entrypoints", "metrale.demo"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    try:
+        with asyncio.Runner(loop_factory=_event_loop_factory()) as runner:
+            code = runner.run(_serve(spec, serving))
+    except asyncio.CancelledError:  # SIGTERM before it served
+        code = 0
+    sys.exit(code)
+
+
+async def _serve(spec: ApiProcessSpec, serving: object) -> int:
+    from metrale.engine.client import EngineClient
+    from metrale.engine_args import EngineArgs
+    from metrale.entrypoints.cli.serve import open_record_store
+    from metrale.entrypoints.cli.startup import Startup
+    from metrale.server.security.config import SecurityConfig
+    from metrale.telemetry.bus import EventBus
+
+    main = asyncio.current_task()
+    assert main is not None
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, main.cancel)  # (serving, the server's handler)
+    watch = asyncio.create_task(_exit_without_parent(spec.parent_pid))
+    args = spec.args
+    store = open_record_store(args)
+    bus = EventBus()
+    bus.bind_loop()
+    startup = Startup(
+        args,
+        EngineArgs.from_cli(args),
+        SecurityConfig.from_cli(args),
+        bus,
+        store,
+        spec.model_dir,
+        api_process=spec.index,
+    )
+    client = EngineClient.attach(spec.sockets, spec.index, spec.engine_pid)
+    try:
+        return await startup.run(client, listener=spec.listener, on_serving=serving.set)  # type: ignore[attr-defined]
+    finally:
+        watch.cancel()
+        store.close()
+
+
+async def _exit_without_parent(parent_pid: int) -> None:
+    """The first API process gone (killed), this one stops too."""
+    while os.getppid() == parent_pid:
+        await asyncio.sleep(PARENT_POLL_S)
+    logger.warning("the first API process is gone: stopping")
+    signal.raise_signal(signal.SIGTERM)

@@ -1,0 +1,199 @@
+"""`met serve --api-server-count 2`: two API processes on one port and one engine.
+
+Which process accepts a connection is the kernel's choice; the tests make it theirs by pausing
+one process (SIGSTOP) while a request goes in, so the other must serve it whole."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.server.conftest import MODEL_NAME, RunningServer, start_server, stop_server
+
+SERVE = [sys.executable, "-m", "metrale", "serve"]
+
+
+def _wait_serving(server: RunningServer) -> None:
+    """Until every API process serves (the first logs "serving" then)."""
+    deadline = time.monotonic() + 60
+    while "serving " not in server.log():
+        assert time.monotonic() < deadline and server.process.poll() is None, server.log()
+        time.sleep(0.1)
+
+
+def _pids(server: RunningServer) -> tuple[int, int]:
+    """The engine's and the second API process's."""
+    log = server.log()
+    engine = re.search(r"engine core process (\d+) started", log)
+    api = re.search(r"1 more API process started \(pid (\d+)\)", log)
+    assert engine and api, log
+    return int(engine[1]), int(api[1])
+
+
+def _running(pid: int) -> bool:
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@contextlib.contextmanager
+def _paused(pid: int) -> Iterator[None]:
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+@pytest.fixture(scope="module")
+def two(qwen3_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    log = tmp_path_factory.mktemp("two") / "server.log"
+    running = start_server(qwen3_dir, log, "--api-server-count", "2")
+    _wait_serving(running)
+    yield running
+    engine, api = _pids(running)
+    assert stop_server(running) == 0, running.log()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and (_running(engine) or _running(api)):
+        time.sleep(0.1)
+    assert not _running(engine) and not _running(api), "a child left running"
+
+
+def _complete(server: RunningServer, prompt: str) -> openai.types.Completion:
+    client = openai.OpenAI(base_url=server.api_url, api_key="x", max_retries=0, timeout=60)
+    return client.completions.create(
+        model=MODEL_NAME,
+        prompt=prompt,
+        max_tokens=16,
+        temperature=0.0,
+        extra_body={"ignore_eos": True},
+    )
+
+
+def _counter(text: str, family: str, **labels: str) -> float:
+    for metric in text_string_to_metric_families(text):
+        if metric.name == family:
+            return sum(
+                s.value
+                for s in metric.samples
+                if s.name.endswith("_total") and labels.items() <= s.labels.items()
+            )
+    raise AssertionError(f"no {family} in /metrics")
+
+
+def _scrape_from(server: RunningServer, other: int) -> str:
+    """/metrics as the process that is not `other` answers it, with `other` running: the
+    connection is made while `other` is paused, then kept."""
+    with httpx.Client(base_url=server.base_url, timeout=30) as client:
+        with _paused(other):
+            client.get("/health")
+        return client.get("/metrics").text
+
+
+def test_each_process_serves_alone_and_metrics_add_both_up(two: RunningServer):
+    _, api = _pids(two)
+    first = two.process.pid
+    before = httpx.get(two.base_url + "/metrics").text
+    with _paused(first):  # only the second accepts
+        by_second = _complete(two, "one two three")
+    with _paused(api):  # only the first accepts
+        by_first = _complete(two, "one two three")
+    # The same greedy tokens from the one engine, whichever process streamed them.
+    assert by_second.choices[0].text == by_first.choices[0].text
+    assert by_first.usage.completion_tokens == by_second.usage.completion_tokens == 16
+    # Either process's scrape holds both processes' requests.
+    route = {"route": "/v1/completions", "status": "200"}
+    done = _counter(before, "metrale:http_requests", **route)
+    generated = _counter(before, "metrale:generation_tokens")
+    for scrape in (_scrape_from(two, api), _scrape_from(two, first)):
+        assert _counter(scrape, "metrale:http_requests", **route) == done + 2
+        assert _counter(scrape, "metrale:generation_tokens") == generated + 32
+        # The engine's own figures come from the first process only: counted once.
+        steps = next(
+            m
+            for m in text_string_to_metric_families(scrape)
+            if m.name == "metrale:iteration_tokens_total"
+        )
+        assert any(s.name.endswith("_count") and s.value > 0 for s in steps.samples)
+
+
+def test_a_stored_response_is_read_by_the_other_process(two: RunningServer):
+    _, api = _pids(two)
+
+    def client() -> openai.OpenAI:  # a connection of its own: the one the paused one accepted
+        return openai.OpenAI(base_url=two.api_url, api_key="x", max_retries=0, timeout=60)
+
+    with _paused(two.process.pid):
+        stored = client().responses.create(model=MODEL_NAME, input="hello", max_output_tokens=8)
+    with _paused(api):
+        other = client()
+        fetched = other.responses.retrieve(stored.id)
+        follow_up = other.responses.create(
+            model=MODEL_NAME,
+            input="and then?",
+            previous_response_id=stored.id,
+            max_output_tokens=8,
+        )
+    assert fetched.id == stored.id and fetched.status == stored.status == "incomplete"
+    assert fetched.output_text == stored.output_text
+    assert follow_up.previous_response_id == stored.id
+    assert follow_up.usage.input_tokens > stored.usage.input_tokens  # the history came along
+
+
+def test_what_one_process_cannot_share_is_refused_in_api_shape(two: RunningServer):
+    client = openai.OpenAI(base_url=two.api_url, api_key="x", max_retries=0, timeout=60)
+    with pytest.raises(openai.BadRequestError, match="api-server-count"):
+        client.responses.create(model=MODEL_NAME, input="hi", background=True)
+    events = httpx.get(two.base_url + "/v1/events", timeout=10)
+    assert events.status_code == 501 and "api-server-count" in events.json()["error"]["message"]
+    config = httpx.get(two.base_url + "/serve-config").json()
+    assert config["server"]["api_server_count"] == 2
+    assert config["response_store"].startswith("sqlite:")
+
+
+def test_an_api_process_that_dies_takes_the_server_down(qwen3_dir: Path, tmp_path: Path):
+    server = start_server(qwen3_dir, tmp_path / "server.log", "--api-server-count", "2")
+    _wait_serving(server)
+    engine, api = _pids(server)
+    os.kill(api, signal.SIGKILL)
+    try:
+        assert server.process.wait(timeout=30) == 1, server.log()
+    finally:
+        stop_server(server)
+    assert "API process 1 exited" in server.log()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _running(engine):
+        time.sleep(0.1)
+    assert not _running(engine), "engine core left running"
+
+
+@pytest.mark.parametrize(
+    ("flag", "named"),
+    [
+        (["--tui"], "--tui"),
+        (["--max-queued-requests", "4"], "--max-queued-requests"),
+        (["--data-parallel-size", "2"], "--data-parallel-size"),
+    ],
+)
+def test_what_several_processes_cannot_share_is_refused_at_start(
+    qwen3_dir: Path, flag: list[str], named: str
+):
+    result = subprocess.run(
+        [*SERVE, "--model-from-path", str(qwen3_dir), "--api-server-count", "2", *flag],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode != 0
+    assert f"not with {named}" in result.stderr
