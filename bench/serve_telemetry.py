@@ -88,11 +88,53 @@ def _task_cpu_s(pid: int) -> float:
 
 
 def server_cpu_s(pid: int) -> dict[str, float]:
-    """CPU seconds so far of a `met serve` process (`api`: its threads) and of its children
-    (`engine`: the engine core process, with its torch threads). Linux only; {} elsewhere."""
+    """CPU seconds so far of a `met serve` process and its children: `api` its API processes'
+    (`--api-server-count`), `engine` the engine core process's (with its torch threads and
+    tensor-parallel ranks). Linux only; {} elsewhere."""
     if not Path(f"/proc/{pid}/task").exists():
         return {}
-    return {"api": _task_cpu_s(pid), "engine": sum(_task_cpu_s(c) for c in _children(pid))}
+    api, engine = server_processes(pid)
+    return {
+        "api": sum(_task_cpu_s(p) for p in api),
+        "engine": sum(_task_cpu_s(p) + sum(_task_cpu_s(c) for c in _children(p)) for p in engine),
+    }
+
+
+def server_processes(pid: int) -> tuple[list[int], list[int]]:
+    """A `met serve` process's API processes (itself first) and its engine processes: the
+    children it logged as API processes (their parent's command line) are API, the others
+    engines. (multiprocessing's resource tracker, a child too, is neither.)"""
+    api, engine = [pid], []
+    for child in _children(pid):
+        try:
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"resource_tracker" in cmdline:
+            continue
+        (api if _is_api_process(child) else engine).append(child)
+    return api, engine
+
+
+def _is_api_process(pid: int) -> bool:
+    """An API process past the first serves HTTP: it holds a listening TCP socket."""
+    listening = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A":  # LISTEN
+                    listening.add(fields[9])
+    try:
+        fds = list(Path(f"/proc/{pid}/fd").iterdir())
+    except OSError:
+        return False
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            target = os.readlink(fd)
+            if target.startswith("socket:[") and target[8:-1] in listening:
+                return True
+    return False
 
 
 @dataclass(frozen=True)
@@ -119,22 +161,25 @@ class Placement:
     once (`--concurrent`) get one each, swapped between rounds. With too few cores, nothing is
     pinned."""
 
-    def __init__(self, enabled: bool, slots: int) -> None:
+    def __init__(self, enabled: bool, slots: int, api_cores: int = 1) -> None:
         cores: dict[str, set[int]] = {}
         for cpu in sorted(os.sched_getaffinity(0)):
             siblings = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list")
             key = siblings.read_text().strip() if siblings.exists() else str(cpu)
             cores.setdefault(key, set()).add(cpu)
         physical = [frozenset(c) for c in cores.values()]
-        self.enabled = enabled and len(physical) >= 5 * slots
+        # `api_cores`: a physical core for each API process (`--api-server-count`)
+        taken = (api_cores + 2) * slots
+        self.enabled = enabled and len(physical) >= taken + 2 * slots
         self.slots: list[Slot] = []
         if self.enabled:
-            rest = physical[3 * slots :]
+            rest = physical[taken:]
             for k in range(slots):
+                engine = api_cores * slots + 2 * k
                 self.slots.append(
                     Slot(
-                        api=physical[k],
-                        engine=physical[slots + 2 * k] | physical[slots + 2 * k + 1],
+                        api=frozenset().union(*physical[api_cores * k : api_cores * (k + 1)]),
+                        engine=physical[engine] | physical[engine + 1],
                         clients=frozenset().union(*rest[k::slots]),
                     )
                 )
@@ -151,13 +196,15 @@ class Placement:
         return functools.partial(os.sched_setaffinity, 0, cpus)
 
     def pin_server(self, pid: int, slot: int) -> None:
-        """Every thread of the API process to its core, of the engine to its (again each
+        """Every thread of the API processes to their cores, of the engine to its (again each
         round, when slots swap)."""
         if not self.enabled:
             return
-        _pin_tasks(pid, self.slots[slot].api)
-        for child in _children(pid):
-            _pin_tasks(child, self.slots[slot].engine)
+        api, engine = server_processes(pid)
+        for process in api:
+            _pin_tasks(process, self.slots[slot].api)
+        for process in engine:
+            _pin_tasks(process, self.slots[slot].engine)
 
     def clients(self, slot: int) -> frozenset[int]:
         return self.slots[slot].clients if self.enabled else frozenset()

@@ -98,6 +98,12 @@ def arrivals(log: Path, skip_lines: int, output_len: int) -> tuple[dict[str, flo
     }, len(lines)
 
 
+def wait_serving(log: Path, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while "serving " not in log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--streams", type=int, default=256)
@@ -132,7 +138,11 @@ def main() -> None:
     serve_flags = ["--max-num-seqs", str(args.streams), "--num-kv-blocks", str(args.num_kv_blocks)]
     serve_flags += args.serve_args.split()
     logs = Path(tempfile.mkdtemp(prefix="bench-b4-logs-"))
-    placement = Placement(True, 1)
+    api_processes = 1  # `--serve-args=--api-server-count=N`: a core for each
+    for flag in ("--api-server-count=", "--api-server-count "):
+        if flag in args.serve_args:
+            api_processes = int(args.serve_args.split(flag)[1].split()[0])
+    placement = Placement(True, 1, api_processes)
     if placement.enabled:
         os.sched_setaffinity(0, placement.clients(0))
     package = args.package.resolve()
@@ -147,6 +157,7 @@ def main() -> None:
     rounds = []
     try:
         wait_healthy(process, url, logs / "server.log")
+        wait_serving(logs / "server.log")  # every API process
         placement.pin_server(process.pid, 0)
         if placement.enabled:  # the offline engine on the server's CPUs
             slot = placement.slots[0]
