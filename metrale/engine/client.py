@@ -176,7 +176,9 @@ class EngineClient:
     def is_alive(self) -> bool:
         if self._dead_reason is None and not self._worker.is_alive():
             exitcode = getattr(self._worker, "exitcode", None)
-            self._dead_reason = f"the engine core exited (exit code {exitcode})"
+            # (an attached client's engine is another process's child: its code is not known)
+            code = "" if exitcode is None else f" (exit code {exitcode})"
+            self._dead_reason = f"the engine core exited{code}"
         return self._dead_reason is None
 
     @property

@@ -180,11 +180,16 @@ def run_api_process(spec: ApiProcessSpec, serving: object) -> None:
     # The first process tells the startup; this one logs its requests and what goes wrong.
     for name in ("metrale.serve", "metrale.entrypoints", "metrale.demo"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    from metrale.engine.client import EngineDeadError
+
     try:
         with asyncio.Runner(loop_factory=_event_loop_factory()) as runner:
             code = runner.run(_serve(spec, serving))
     except asyncio.CancelledError:  # SIGTERM before it served
         code = 0
+    except EngineDeadError as e:  # it failed to start (the first process says why)
+        logger.warning("API process %d: %s", spec.index, e)
+        code = 1
     sys.exit(code)
 
 
