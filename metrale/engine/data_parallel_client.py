@@ -47,11 +47,19 @@ class DataParallelClient:
     @classmethod
     async def start(cls, config: EngineConfig, *, in_process: bool = False) -> DataParallelClient:
         """Start every core (loading at once) and wait until all have loaded the model."""
-        cores = [
-            EngineClient.launch(config.for_core(i), in_process=in_process)
+        return await cls.ready(cls.launch(config, in_process=in_process), config)
+
+    @staticmethod
+    def launch(
+        config: EngineConfig, *, in_process: bool = False, api_server_count: int = 1
+    ) -> list[EngineClient]:
+        """Start every core without waiting (each serving `api_server_count` API processes)."""
+        return [
+            EngineClient.launch(
+                config.for_core(i), in_process=in_process, api_server_count=api_server_count
+            )
             for i in range(config.data_parallel_size)
         ]
-        return await cls.ready(cores, config)
 
     @classmethod
     async def ready(cls, cores: list[EngineClient], config: EngineConfig) -> DataParallelClient:

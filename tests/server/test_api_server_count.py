@@ -162,6 +162,33 @@ def test_what_one_process_cannot_share_is_refused_in_api_shape(two: RunningServe
     assert config["response_store"].startswith("sqlite:")
 
 
+def test_two_api_processes_over_two_data_parallel_cores(qwen3_dir: Path, tmp_path: Path):
+    server = start_server(
+        qwen3_dir,
+        tmp_path / "server.log",
+        *("--api-server-count", "2", "--data-parallel-size", "2"),
+    )
+    try:
+        _wait_serving(server)
+        api = int(re.findall(r"1 more API process started \(pid (\d+)\)", server.log())[0])
+        engines = [int(p) for p in re.findall(r"engine core process (\d+) started", server.log())]
+        assert len(engines) == 2
+        texts = []
+        for paused in (server.process.pid, api):
+            with _paused(paused):  # each process in turn alone, four requests over the cores
+                texts += [_complete(server, "one two three").choices[0].text for _ in range(4)]
+        assert len(set(texts)) == 1  # the same greedy tokens on either core, from either process
+        scrape = httpx.get(server.base_url + "/metrics", timeout=30).text
+        route = {"route": "/v1/completions", "status": "200"}
+        assert _counter(scrape, "metrale:http_requests", **route) == 8
+    finally:
+        assert stop_server(server) == 0, server.log()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(_running(p) for p in [api, *engines]):
+        time.sleep(0.1)
+    assert not any(_running(p) for p in [api, *engines]), "a child left running"
+
+
 def test_an_api_process_that_dies_takes_the_server_down(qwen3_dir: Path, tmp_path: Path):
     server = start_server(qwen3_dir, tmp_path / "server.log", "--api-server-count", "2")
     _wait_serving(server)
@@ -183,7 +210,6 @@ def test_an_api_process_that_dies_takes_the_server_down(qwen3_dir: Path, tmp_pat
     [
         (["--tui"], "--tui"),
         (["--max-queued-requests", "4"], "--max-queued-requests"),
-        (["--data-parallel-size", "2"], "--data-parallel-size"),
     ],
 )
 def test_what_several_processes_cannot_share_is_refused_at_start(

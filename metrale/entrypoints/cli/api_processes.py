@@ -2,9 +2,10 @@
 
 One API process detokenizes, frames and writes every stream, and at a few hundred concurrent
 streams on a fast GPU it is the server's bound (issue 24's B4). With N, the process `met serve`
-runs in (the first) launches the engine and binds the listening socket before anything else,
-then starts N - 1 more: each is given the socket (all of them accept on it, and the kernel hands
-each connection to one), its own pair of the engine's sockets (`EngineSockets`) and the flags.
+runs in (the first) binds the listening socket before anything else and launches the engine
+(each data-parallel core), then starts N - 1 more: each is given the socket (all of them accept
+on it, and the kernel hands each connection to one), its own pair of each core's sockets
+(`EngineSockets`) and the flags.
 Each builds its own tokenizer, app and telemetry, waits for the engine as the first does, and
 serves. The first alone reports the engine's own figures (`Telemetry.reports_engine`); `/metrics`
 on any of them adds every process's series up (`MetricsPeers`); the record store is one SQLite
@@ -12,8 +13,9 @@ file they share (a temporary one for `--response-store memory`).
 
 The first stops the others (SIGTERM, then their graceful shutdown) before it stops the engine.
 One that exits unasked takes the server down, so an orchestrator restarts it whole; one whose
-parent is gone stops itself. Not yet with several: the state a process keeps for itself (rate
-limits, the queue bound, `/v1/events`, the dashboard, background responses, data parallelism).
+parent is gone stops itself. Under data parallelism each process routes its own requests over
+the cores. Not yet with several: the state a process keeps for itself (rate limits, the queue
+bound, `/v1/events`, the dashboard, background responses).
 """
 
 from __future__ import annotations
@@ -52,7 +54,6 @@ def check_api_server_count(
     if args.api_server_count == 1:
         return
     refused = {
-        "--data-parallel-size above 1": engine_args.data_parallel_size > 1,
         "--engine-in-thread": args.engine_in_thread,
         "--tui": args.tui,
         "--max-queued-requests": security.max_queued_requests is not None,
@@ -88,9 +89,8 @@ class ApiProcessSpec:
 
     args: argparse.Namespace
     model_dir: Path
-    sockets: EngineSockets
+    engines: list[tuple[EngineSockets, int]]  # each engine core's sockets and process id
     index: int
-    engine_pid: int
     parent_pid: int
     listener: socket.socket
 
@@ -108,16 +108,18 @@ class ApiProcesses:
         cls,
         args: argparse.Namespace,
         model_dir: Path,
-        engine: EngineClient,
+        engines: list[EngineClient],
         listener: socket.socket,
     ) -> ApiProcesses:
-        assert engine.engine_pid is not None
+        """Start them; `engines`: the engine (every data-parallel core), launched."""
+        cores = []
+        for engine in engines:
+            assert engine.engine_pid is not None, "an engine in a thread serves one process"
+            cores.append((engine.sockets, engine.engine_pid))
         context = multiprocessing.get_context("spawn")
         processes, serving = [], []
-        for index in range(1, engine.sockets.num_clients):
-            spec = ApiProcessSpec(
-                args, model_dir, engine.sockets, index, engine.engine_pid, os.getpid(), listener
-            )
+        for index in range(1, engines[0].sockets.num_clients):
+            spec = ApiProcessSpec(args, model_dir, cores, index, os.getpid(), listener)
             event = context.Event()
             process = context.Process(
                 target=run_api_process,
@@ -219,9 +221,13 @@ async def _serve(spec: ApiProcessSpec, serving: object) -> int:
         spec.model_dir,
         api_process=spec.index,
     )
-    client = EngineClient.attach(spec.sockets, spec.index, spec.engine_pid)
+    cores = [EngineClient.attach(sockets, spec.index, pid) for sockets, pid in spec.engines]
     try:
-        return await startup.run(client, listener=spec.listener, on_serving=serving.set)  # type: ignore[attr-defined]
+        return await startup.run(
+            cores[0] if len(cores) == 1 else cores,
+            listener=spec.listener,
+            on_serving=serving.set,  # type: ignore[attr-defined]
+        )
     finally:
         watch.cancel()
         store.close()

@@ -24,11 +24,7 @@ from metrale.engine.spawn import EngineSpec
 from metrale.engine.watchdog import DEFAULT_MIN_REPEATS, MIN_SPAN
 from metrale.engine_args import EngineArgs
 from metrale.entrypoints.cli import Subcommand, register
-from metrale.entrypoints.cli.api_processes import (
-    ApiProcesses,
-    check_api_server_count,
-    listening_socket,
-)
+from metrale.entrypoints.cli.api_processes import check_api_server_count, listening_socket
 from metrale.entrypoints.cli.startup import Startup, phase
 from metrale.server.security.config import SecurityConfig
 from metrale.server.stores import RecordStore, StoreLimits, open_store
@@ -74,8 +70,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="API processes serving the one engine on the same port (each detokenizes and "
         "streams the connections it accepts): more than one where a single process cannot "
-        "keep up with the engine (hundreds of concurrent streams on a fast GPU); not yet with "
-        "--data-parallel-size, --tui, --max-queued-requests or rate limits (default 1)",
+        "keep up with the engine (hundreds of concurrent streams on a fast GPU; with "
+        "--data-parallel-size, each routes its requests over the cores); not yet with --tui, "
+        "--max-queued-requests or rate limits (default 1)",
     )
     g.add_argument(
         "--always-include-usage",
@@ -344,8 +341,8 @@ async def _start_and_serve(
     listener = listening_socket(args.bind, args.port) if count > 1 else None
     # The engine process starts now: it imports torch and loads the model while this process
     # imports its own torch and server and checks the flags (a process per core with data
-    # parallelism, started once the flags are checked); the other API processes too.
-    early = extras = None
+    # parallelism, started once the flags are checked); the other API processes with it.
+    early = None
     if engine_args.data_parallel_size == 1:
         spec = EngineSpec(engine_args, model_dir)
         if count == 1:  # (its own keywords only: tests stand in for it)
@@ -353,13 +350,9 @@ async def _start_and_serve(
         else:
             early = EngineClient.launch(spec, api_server_count=count)
     try:
-        if listener is not None and early is not None:
-            extras = ApiProcesses.start(args, model_dir, early, listener)
         startup = Startup(args, engine_args, security, bus, store, model_dir)
-        return await startup.run(early, listener=listener, extras=extras)
+        return await startup.run(early, listener=listener)
     finally:
-        if extras is not None:
-            await extras.stop()
         if early is not None:
             await early.shutdown()
         if listener is not None:

@@ -100,16 +100,32 @@ class Startup:
 
     async def run(
         self,
-        early: EngineClient | None,
+        early: EngineClient | list[EngineClient] | None,
         *,
         listener: socket.socket | None = None,
-        extras: ApiProcesses | None = None,
         on_serving: Callable[[], None] | None = None,
     ) -> int:
         """Start up and serve until stopped; 0, or 1 when another API process died. `early`:
-        the engine launched (or attached to, past the first API process); `listener`: the
-        socket bound already (several API processes), `extras` the others (the first's)."""
+        the engine launched, or none yet (data parallelism: the cores start once the flags are
+        checked); past the first API process, the engine or the cores attached to. `listener`:
+        the socket bound already (several API processes): the first starts the others as soon
+        as the engine is launched, and stops them before it."""
+        self.listener = listener
+        self.extras: ApiProcesses | None = None
+        try:
+            return await self._run(early, on_serving)
+        finally:
+            if self.extras is not None:
+                await self.extras.stop()
+
+    async def _run(
+        self,
+        early: EngineClient | list[EngineClient] | None,
+        on_serving: Callable[[], None] | None,
+    ) -> int:
         _import_server()  # while the engine loads the model, not after it is ready
+        if isinstance(early, EngineClient):
+            self.start_other_api_processes([early])
         config, sources = self.load_config()
         self.describe(config)
         client = await self.start_engine(config, early)
@@ -120,15 +136,23 @@ class Startup:
             tokenizer, behavior = self.tokenizer_and_behavior(config, sources)
             llm = self.engine_frontend(client, config, tokenizer)
             app, peers = self.server_app(llm, config, tokenizer, behavior)
-            failed = await self.serve(app, listener, extras, on_serving)
+            failed = await self.serve(app, on_serving)
         finally:
             logger.info("shutting down")
-            if extras is not None:
-                await extras.stop()  # before the engine they stream from
+            if self.extras is not None:
+                await self.extras.stop()  # before the engine they stream from
             if peers is not None:
                 await peers.close()
             await (llm.shutdown() if llm is not None else client.shutdown())
         return 1 if failed else 0
+
+    def start_other_api_processes(self, engines: list[EngineClient]) -> None:
+        """With `--api-server-count` above 1, the first API process starts the others once
+        the engine (every core of it) is launched, so that they start while it loads."""
+        from metrale.entrypoints.cli.api_processes import ApiProcesses
+
+        if self.listener is not None and self.api_process == 0:
+            self.extras = ApiProcesses.start(self.args, self.model_dir, engines, self.listener)
 
     def load_config(self) -> tuple[EngineConfig, list[Source]]:
         """The engine's config as the engine resolves it, and where the parsers and the
@@ -193,19 +217,26 @@ class Startup:
                 )
 
     async def start_engine(
-        self, config: EngineConfig, early: EngineClient | None
+        self, config: EngineConfig, early: EngineClient | list[EngineClient] | None
     ) -> EngineClient | DataParallelClient:
-        """The engine, once it has loaded the model: the early one, or every data-parallel
-        core started now."""
+        """The engine, once it has loaded the model: the early one, the cores attached to, or
+        every data-parallel core started now."""
         from metrale.engine.data_parallel_client import DataParallelClient
         from metrale.runner.model_loader import preflight_model
 
         with phase("preflight and weights", self.bus):
             preflight_model(self.model_dir, config.load_format)
-            if early is not None:
+            if isinstance(early, EngineClient):
                 await early.ready(config)
                 return early
-            return await DataParallelClient.start(config, in_process=self.args.engine_in_thread)
+            if early is None:
+                early = DataParallelClient.launch(
+                    config,
+                    in_process=self.args.engine_in_thread,
+                    api_server_count=self.args.api_server_count,
+                )
+                self.start_other_api_processes(early)
+            return await DataParallelClient.ready(early, config)
 
     def tokenizer_and_behavior(
         self, config: EngineConfig, sources: list[Source]
@@ -277,7 +308,10 @@ class Startup:
             count = self.args.api_server_count
             peers = None
             if count > 1 and llm.telemetry.metrics is not None:
-                directory = llm.client.sockets.directory
+                # The peers meet beside the (first core's) engine sockets, which every API
+                # process knows.
+                first = getattr(llm.client, "clients", [llm.client])[0]
+                directory = first.sockets.directory
                 peers = MetricsPeers(directory, self.api_process, count, llm.telemetry.exposition)
                 peers.start()
             settings = self._settings(behavior)
@@ -324,15 +358,10 @@ class Startup:
             access_log=not args.no_access_log,
         )
 
-    async def serve(
-        self,
-        app: FastAPI,
-        listener: socket.socket | None = None,
-        extras: ApiProcesses | None = None,
-        on_serving: Callable[[], None] | None = None,
-    ) -> bool:
+    async def serve(self, app: FastAPI, on_serving: Callable[[], None] | None = None) -> bool:
         """Serve HTTP until SIGINT or SIGTERM, or until another API process dies (then True);
         the "listening" phase ends when this process and the others serve."""
+        extras, listener = self.extras, self.listener
         args = self.args
         server = _Server(
             uvicorn.Config(
