@@ -13,7 +13,6 @@ import gc
 import logging
 import os
 import signal
-import sys
 import traceback
 
 import zmq
@@ -57,13 +56,7 @@ def run_engine_core(
         # The API process owns Ctrl-C and SIGTERM and shuts the engine down by message.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         if (log_file := envs.engine_log_file()) is not None:  # the terminal is the TUI's
-            log_file.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-            os.dup2(fd, 1)
-            os.dup2(fd, 2)
-            os.close(fd)
-            sys.stdout = os.fdopen(1, "w", buffering=1)
-            sys.stderr = os.fdopen(2, "w", buffering=1)
+            logs.write_output_to(log_file)
         logs.configure()  # in the format the API process was started with
     links = ApiLinks(context or zmq.Context(), sockets)
     core = None

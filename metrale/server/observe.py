@@ -44,12 +44,6 @@ async def event_stream(
     `types` picks event types (comma-separated; a family such as `request` takes all of its
     types); `queue` is this reader's buffer: events past it are lost, and told in `dropped`."""
     state: ServerState = request.app.state.server
-    if state.api_server_count > 1:
-        raise APIError(
-            "/v1/events is not available with --api-server-count above 1 yet: each API process "
-            "sees only the streams it serves (read /metrics, which adds every process up)",
-            501,
-        )
     try:
         chosen = parse_types(types)
     except ValueError as e:

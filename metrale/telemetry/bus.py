@@ -7,7 +7,9 @@ other subscribers nothing. Startup phases are kept and replayed to each new subs
 reader that connects late still sees how the server started.
 
 The bus belongs to the event loop that created it; `publish` from another thread (a log
-record from the engine thread) is handed to that loop.
+record from the engine thread) is handed to that loop. With several API processes the others'
+events come in too (`event_peers.py`), marked `remote`, and a `local_only` subscription (the
+one that sends this process's events to them) does not get them back.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 
 from metrale.telemetry.events import EVENT_TYPES, Dropped, Event, Phase, type_of
 
@@ -25,10 +27,17 @@ DEFAULT_QUEUE_SIZE = 1024
 class Subscription:
     """One reader's queue. Iterate it (async) for events; close it to leave the bus."""
 
-    def __init__(self, bus: EventBus, types: frozenset[str] | None, capacity: int) -> None:
+    def __init__(
+        self,
+        bus: EventBus,
+        types: frozenset[str] | None,
+        capacity: int,
+        local_only: bool = False,
+    ) -> None:
         self._bus = bus
         self.types = types
         self.capacity = capacity
+        self.local_only = local_only  # this process's events only
         self._queue: deque[Event] = deque()
         self._ready = asyncio.Event()
         self._pending_drops = 0
@@ -74,7 +83,9 @@ class Subscription:
 
     def close(self) -> None:
         self.closed = True
-        self._bus._subscribers.discard(self)
+        if self in self._bus._subscribers:
+            self._bus._subscribers.discard(self)
+            self._bus._readers_changed()
 
 
 class EventBus:
@@ -83,6 +94,8 @@ class EventBus:
         self._phases: list[Phase] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: int | None = None
+        # Told the number of readers (the subscriptions not `local_only`) as it changes.
+        self.on_readers_change: Callable[[int], None] | None = None
 
     def bind_loop(self) -> None:
         """Belong to the running event loop (call from it, before other threads publish)."""
@@ -97,25 +110,43 @@ class EventBus:
     def num_subscribers(self) -> int:
         return len(self._subscribers)
 
+    @property
+    def num_readers(self) -> int:
+        """Subscribers that read what the whole server tells (`/v1/events`, the dashboard)."""
+        return sum(not s.local_only for s in self._subscribers)
+
     def subscribe(
-        self, types: Iterable[str] | None = None, capacity: int = DEFAULT_QUEUE_SIZE
+        self,
+        types: Iterable[str] | None = None,
+        capacity: int = DEFAULT_QUEUE_SIZE,
+        *,
+        local_only: bool = False,
     ) -> Subscription:
-        """A new subscriber for `types` (every type if None; see `parse_types`)."""
-        subscription = Subscription(self, None if types is None else frozenset(types), capacity)
+        """A new subscriber for `types` (every type if None; see `parse_types`); `local_only`:
+        this process's events, none of its peers'."""
+        chosen = None if types is None else frozenset(types)
+        subscription = Subscription(self, chosen, capacity, local_only)
         for phase in self._phases:
             subscription.offer(phase)
         self._subscribers.add(subscription)
+        self._readers_changed()
         return subscription
 
-    def publish(self, event: Event) -> None:
+    def _readers_changed(self) -> None:
+        if self.on_readers_change is not None:
+            self.on_readers_change(self.num_readers)
+
+    def publish(self, event: Event, remote: bool = False) -> None:
+        """Offer `event` to every subscriber; `remote`: another API process's."""
         if self._loop is not None and threading.get_ident() != self._loop_thread:
             if not self._loop.is_closed():
-                self._loop.call_soon_threadsafe(self.publish, event)
+                self._loop.call_soon_threadsafe(self.publish, event, remote)
             return
-        if isinstance(event, Phase):
+        if isinstance(event, Phase) and not remote:
             self._phases.append(event)
         for subscription in tuple(self._subscribers):
-            subscription.offer(event)
+            if not (remote and subscription.local_only):
+                subscription.offer(event)
 
 
 def parse_types(text: str | None) -> frozenset[str] | None:

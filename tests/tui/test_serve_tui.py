@@ -21,12 +21,12 @@ from tests.server.conftest import free_port
 pytest.importorskip("textual")
 
 
-def spawn(model_dir) -> tuple[subprocess.Popen, int, str]:
+def spawn(model_dir, *extra: str) -> tuple[subprocess.Popen, int, str]:
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, b"\x28\x00\x78\x00\x00\x00\x00\x00")  # 40 x 120
     port = free_port()
     cmd = [sys.executable, "-m", "metrale", "serve", "--model-from-path", str(model_dir)]
-    cmd += ["--port", str(port), "--num-kv-blocks", "64", "--max-seq-len", "256", "--tui"]
+    cmd += ["--port", str(port), "--num-kv-blocks", "64", "--max-seq-len", "256", "--tui", *extra]
 
     def controlling_terminal() -> None:  # the pty is the server's terminal, as in a shell
         fcntl.ioctl(0, termios.TIOCSCTTY, 0)
@@ -73,12 +73,19 @@ def drain(master, seconds: float) -> bytes:
     return out
 
 
-def test_the_dashboard_draws_and_q_stops_the_server(qwen3_dir):
-    process, master, url = spawn(qwen3_dir)
+# With two API processes the other's output goes to the file too, and its requests reach the
+# dashboard over the event bus.
+SERVERS = pytest.mark.parametrize("extra", [[], ["--api-server-count", "2"]], ids=["one", "two"])
+
+
+@SERVERS
+def test_the_dashboard_draws_and_q_stops_the_server(qwen3_dir, extra):
+    process, master, url = spawn(qwen3_dir, *extra)
     try:
         screen = read_until_healthy(process, master, url)
         body = {"model": str(qwen3_dir), "prompt": "hi", "max_tokens": 4}
-        assert httpx.post(url + "/v1/completions", json=body, timeout=30).status_code == 200
+        for _ in range(8):  # a connection each: with two processes, both serve some
+            assert httpx.post(url + "/v1/completions", json=body, timeout=30).status_code == 200
         screen += drain(master, 2.0)
         assert b"listening" in screen and b"quit" in screen  # phases, and the key bar
         # Once the dashboard has the screen (the alternate screen), no log line is printed over
@@ -94,8 +101,9 @@ def test_the_dashboard_draws_and_q_stops_the_server(qwen3_dir):
         os.close(master)
 
 
-def test_the_server_keeps_serving_when_its_terminal_goes_away(qwen3_dir):
-    process, master, url = spawn(qwen3_dir)
+@SERVERS
+def test_the_server_keeps_serving_when_its_terminal_goes_away(qwen3_dir, extra):
+    process, master, url = spawn(qwen3_dir, *extra)
     try:
         read_until_healthy(process, master, url)
         os.close(master)  # the terminal window is closed: SIGHUP, and a dead tty

@@ -14,8 +14,9 @@ file they share (a temporary one for `--response-store memory`).
 The first stops the others (SIGTERM, then their graceful shutdown) before it stops the engine.
 One that exits unasked takes the server down, so an orchestrator restarts it whole; one whose
 parent is gone stops itself. Under data parallelism each process routes its own requests over
-the cores. Not yet with several: the state a process keeps for itself (rate limits, the queue
-bound, `/v1/events`, the dashboard, background responses).
+the cores. The event bus reaches across them (`EventPeers`): `/v1/events` on any process and
+the dashboard see every process's requests. Not yet with several: the state a process keeps for
+itself (rate limits, the queue bound, background responses).
 """
 
 from __future__ import annotations
@@ -55,7 +56,6 @@ def check_api_server_count(
         return
     refused = {
         "--engine-in-thread": args.engine_in_thread,
-        "--tui": args.tui,
         "--max-queued-requests": security.max_queued_requests is not None,
         "METRALE_RATE_LIMIT_RPM / _TPM": bool(security.rate_limit_rpm or security.rate_limit_tpm),
     }
@@ -174,10 +174,14 @@ class ApiProcesses:
 def run_api_process(spec: ApiProcessSpec, serving: object) -> None:
     """An API process past the first: the server around the engine the first launched, on the
     socket the first bound. Ctrl-C reaches the first, which stops this one by SIGTERM."""
+    from metrale import envs
     from metrale.entrypoints.cli.serve import _event_loop_factory
     from metrale.telemetry import logs
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # the terminal is the first's (the dashboard's)
+    if (log_file := envs.engine_log_file()) is not None:  # the terminal is the dashboard's
+        logs.write_output_to(log_file)
     logs.configure()
     # The first process tells the startup; this one logs its requests and what goes wrong.
     for name in ("metrale.serve", "metrale.entrypoints", "metrale.demo"):

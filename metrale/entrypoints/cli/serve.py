@@ -71,7 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="API processes serving the one engine on the same port (each detokenizes and "
         "streams the connections it accepts): more than one where a single process cannot "
         "keep up with the engine (hundreds of concurrent streams on a fast GPU; with "
-        "--data-parallel-size, each routes its requests over the cores); not yet with --tui, "
+        "--data-parallel-size, each routes its requests over the cores); not yet with "
         "--max-queued-requests or rate limits (default 1)",
     )
     g.add_argument(
@@ -302,7 +302,10 @@ def _start_dashboard(bus: EventBus, root: logging.Logger) -> asyncio.Task[None]:
 
     engine_log = envs.cache_dir() / "engine-core.log"
     os.environ["METRALE_ENGINE_LOG_FILE"] = str(engine_log)  # the engine process's output
-    logger.info("the engine core logs to %s while the dashboard is up", engine_log)
+    logger.info(
+        "the engine core (and any other API process) logs to %s while the dashboard is up",
+        engine_log,
+    )
     console = [h for h in root.handlers if isinstance(h, logging.StreamHandler)]
     for handler in console:
         root.removeHandler(handler)

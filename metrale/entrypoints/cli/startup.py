@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from metrale.frontend.async_llm import AsyncLLM
     from metrale.frontend.parser_selection import BehaviorChoice, Source
     from metrale.server.state import ServerSettings
+    from metrale.telemetry.event_peers import EventPeers
     from metrale.telemetry.metrics_peers import MetricsPeers
     from metrale.tokenizer import Tokenizer
 
@@ -92,6 +93,9 @@ class Startup:
     ) -> None:
         self.args = args
         self.api_process = api_process  # which of `--api-server-count`'s processes this is
+        self.listener: socket.socket | None = None  # bound already, with several
+        self.extras: ApiProcesses | None = None  # the others, the first's to start and stop
+        self.peers: list[MetricsPeers | EventPeers] = []  # links to the others' telemetry
         self.engine_args = engine_args
         self.security = security
         self.bus = bus
@@ -111,7 +115,6 @@ class Startup:
         the socket bound already (several API processes): the first starts the others as soon
         as the engine is launched, and stops them before it."""
         self.listener = listener
-        self.extras: ApiProcesses | None = None
         try:
             return await self._run(early, on_serving)
         finally:
@@ -130,18 +133,18 @@ class Startup:
         self.describe(config)
         client = await self.start_engine(config, early)
         config = client.config  # with the KV pool size the engine settled on
-        llm = peers = None
+        llm = None
         failed = False
         try:
             tokenizer, behavior = self.tokenizer_and_behavior(config, sources)
             llm = self.engine_frontend(client, config, tokenizer)
-            app, peers = self.server_app(llm, config, tokenizer, behavior)
+            app = self.server_app(llm, config, tokenizer, behavior)
             failed = await self.serve(app, on_serving)
         finally:
             logger.info("shutting down")
             if self.extras is not None:
                 await self.extras.stop()  # before the engine they stream from
-            if peers is not None:
+            for peers in self.peers:
                 await peers.close()
             await (llm.shutdown() if llm is not None else client.shutdown())
         return 1 if failed else 0
@@ -296,24 +299,31 @@ class Startup:
 
     def server_app(
         self, llm: AsyncLLM, config: EngineConfig, tokenizer: Tokenizer, behavior: BehaviorChoice
-    ) -> tuple[FastAPI, MetricsPeers | None]:
+    ) -> FastAPI:
         """The HTTP app around the engine: its settings, its state and its routes; with several
-        API processes, this one's link to the others' metrics."""
+        API processes, this one's links to the others' metrics and events."""
         from metrale.server.app import build_app
         from metrale.server.security.guard import Guard
         from metrale.server.state import ServerState
+        from metrale.telemetry.event_peers import EventPeers
         from metrale.telemetry.metrics_peers import MetricsPeers
 
         with phase("router", self.bus):
             count = self.args.api_server_count
-            peers = None
-            if count > 1 and llm.telemetry.metrics is not None:
-                # The peers meet beside the (first core's) engine sockets, which every API
-                # process knows.
+            metrics_peers = None
+            if count > 1:
+                # They meet beside the (first core's) engine sockets, which every one knows.
                 first = getattr(llm.client, "clients", [llm.client])[0]
                 directory = first.sockets.directory
-                peers = MetricsPeers(directory, self.api_process, count, llm.telemetry.exposition)
-                peers.start()
+                event_peers = EventPeers(self.bus, directory, self.api_process, count)
+                event_peers.start()
+                self.peers.append(event_peers)
+                if llm.telemetry.metrics is not None:
+                    metrics_peers = MetricsPeers(
+                        directory, self.api_process, count, llm.telemetry.exposition
+                    )
+                    metrics_peers.start()
+                    self.peers.append(metrics_peers)
             settings = self._settings(behavior)
             state = ServerState(
                 llm,
@@ -326,7 +336,7 @@ class Startup:
                 guard=Guard(self.security),
                 store=self.store,
                 api_server_count=count,
-                metrics_peers=peers,
+                metrics_peers=metrics_peers,
             )
             if self.security.api_keys:
                 logger.info(
@@ -335,7 +345,7 @@ class Startup:
                     "every route but /health" if self.security.require_auth else "/v1 routes",
                 )
             app = build_app(state)
-        return app, peers
+        return app
 
     def _settings(self, behavior: BehaviorChoice) -> ServerSettings:
         from metrale.server.state import ServerSettings
