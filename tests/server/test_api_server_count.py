@@ -12,6 +12,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -225,20 +226,70 @@ def test_an_api_process_that_dies_takes_the_server_down(qwen3_dir: Path, tmp_pat
     assert not _running(engine), "engine core left running"
 
 
-@pytest.mark.parametrize(
-    ("flag", "named"),
-    [
-        (["--max-queued-requests", "4"], "--max-queued-requests"),
-    ],
-)
-def test_what_several_processes_cannot_share_is_refused_at_start(
-    qwen3_dir: Path, flag: list[str], named: str
-):
+def test_an_engine_in_a_thread_is_refused_at_start(qwen3_dir: Path):
     result = subprocess.run(
-        [*SERVE, "--model-from-path", str(qwen3_dir), "--api-server-count", "2", *flag],
+        [*SERVE, "--model-from-path", str(qwen3_dir), "--api-server-count=2", "--engine-in-thread"],
         capture_output=True,
         text=True,
         timeout=60,
     )
     assert result.returncode != 0
-    assert f"not with {named}" in result.stderr
+    assert "not with --engine-in-thread" in result.stderr
+
+
+def test_requests_per_minute_hold_across_the_processes(
+    qwen3_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.setenv("METRALE_RATE_LIMIT_RPM", "3")
+    server = start_server(qwen3_dir, tmp_path / "server.log", "--api-server-count", "2")
+    try:
+        _wait_serving(server)
+        _, api = _pids(server)
+        body = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2}
+        statuses = []
+        for paused in (server.process.pid, api, server.process.pid, api):
+            with _paused(paused):  # the processes in turn
+                reply = httpx.post(server.api_url + "/completions", json=body, timeout=30)
+                statuses.append(reply.status_code)
+        assert statuses == [200, 200, 200, 429]  # one client's 3 a minute, not 3 a process
+        assert reply.json()["error"]["code"] == "rate_limit_exceeded"
+        assert reply.headers["x-ratelimit-remaining-requests"] == "0"
+    finally:
+        assert stop_server(server) == 0, server.log()
+
+
+def test_the_queue_bound_counts_every_process_waiting_requests(qwen3_dir: Path, tmp_path: Path):
+    server = start_server(
+        qwen3_dir, tmp_path / "server.log", "--api-server-count", "2", "--max-queued-requests", "2"
+    )
+    engine, api = _pids(server)
+    body = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2}
+    replies: list[httpx.Response] = []
+
+    def post_in_background() -> threading.Thread:
+        thread = threading.Thread(
+            target=lambda: replies.append(
+                httpx.post(server.api_url + "/completions", json=body, timeout=60)
+            )
+        )
+        thread.start()
+        return thread
+
+    try:
+        _wait_serving(server)
+        waiting = []
+        with _paused(engine):  # nothing gets a first token: admitted requests wait
+            with _paused(server.process.pid):
+                waiting.append(post_in_background())  # the second's
+                time.sleep(1.0)
+            with _paused(api):
+                waiting.append(post_in_background())  # the first's: 1 + 1 waiting
+                time.sleep(1.0)
+                refused = httpx.post(server.api_url + "/completions", json=body, timeout=30)
+        for thread in waiting:
+            thread.join(60)
+        assert refused.status_code == 429, refused.text
+        assert refused.json()["error"]["code"] == "server_overloaded"
+        assert [r.status_code for r in replies] == [200, 200]  # both ran once the engine did
+    finally:
+        assert stop_server(server) == 0, server.log()

@@ -121,3 +121,39 @@ def test_limits_must_be_positive():
         RateLimiter(requests_per_minute=0)
     with pytest.raises(ValueError, match="max_keys"):
         RateLimiter(tokens_per_minute=5, max_keys=0)
+
+
+def test_limiters_that_share_a_file_share_each_client_buckets(tmp_path):
+    """Two API processes' limiters (`--api-server-count`): one client's allowance is the
+    server's, charged and refunded in either."""
+    from metrale.server.security.shared_admission import SharedRateLimiter
+
+    clock = Clock()
+    path = tmp_path / "limits.db"
+    one = SharedRateLimiter(path, 3, 100, max_keys=2, clock=clock)
+    two = SharedRateLimiter(path, 3, 100, max_keys=2, clock=clock)
+    try:
+        assert one.charge_request("a") is None and two.charge_request("a") is None
+        assert one.charge_request("a") is None
+        refusal = two.charge_request("a")
+        assert refusal is not None and refusal.kind == "requests"
+        assert refusal.retry_after_s == pytest.approx(20.0)  # a third of the minute's 3
+        assert one.charge_tokens("a", 90) is None
+        assert two.charge_tokens("a", 20) is not None  # 10 left, in either
+        one.refund_tokens("a", 50)
+        assert two.charge_tokens("a", 20) is None  # 60 left after the refund, then 40
+        headers = dict(one.headers("a"))
+        assert headers["x-ratelimit-remaining-requests"] == "0"
+        assert headers["x-ratelimit-remaining-tokens"] == "40"
+        clock.now += 20.0  # a request refills
+        assert two.charge_request("a") is None
+        # The table's bound is the file's: a third client evicts the least recently used.
+        clock.now += 1.0
+        assert one.charge_request("b") is None
+        clock.now += 1.0
+        assert two.charge_request("c") is None
+        assert one.num_clients == two.num_clients == 2
+        assert one.headers("a") == []  # forgotten: "a" was used before "b" and "c"
+    finally:
+        one.close()
+        two.close()

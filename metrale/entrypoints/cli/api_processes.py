@@ -15,8 +15,8 @@ The first stops the others (SIGTERM, then their graceful shutdown) before it sto
 One that exits unasked takes the server down, so an orchestrator restarts it whole; one whose
 parent is gone stops itself. Under data parallelism each process routes its own requests over
 the cores. The event bus reaches across them (`EventPeers`): `/v1/events` on any process and
-the dashboard see every process's requests. Not yet with several: the state a process keeps for
-itself (rate limits, the queue bound, background responses).
+the dashboard see every process's requests; the rate limits and the queue bound hold across them
+(`shared_admission.py`). Not yet with several: background responses (each runs in one process).
 """
 
 from __future__ import annotations
@@ -39,8 +39,7 @@ from metrale.engine.spawn import EngineSockets
 
 if TYPE_CHECKING:
     from metrale.engine.client import EngineClient
-    from metrale.engine_args import EngineArgs
-    from metrale.server.security.config import SecurityConfig
+    from metrale.server.security.shared_admission import SharedAdmission
 
 logger = logging.getLogger("metrale.serve")
 
@@ -48,23 +47,13 @@ STOP_TIMEOUT_S = 8.0  # past uvicorn's graceful shutdown (5 s), then a kill
 PARENT_POLL_S = 0.5
 
 
-def check_api_server_count(
-    args: argparse.Namespace, engine_args: EngineArgs, security: SecurityConfig
-) -> None:
-    """Refuse, naming the flag, what several API processes cannot share yet."""
-    if args.api_server_count == 1:
-        return
-    refused = {
-        "--engine-in-thread": args.engine_in_thread,
-        "--max-queued-requests": security.max_queued_requests is not None,
-        "METRALE_RATE_LIMIT_RPM / _TPM": bool(security.rate_limit_rpm or security.rate_limit_tpm),
-    }
-    for what, present in refused.items():
-        if present:
-            raise SystemExit(
-                f"met serve: --api-server-count {args.api_server_count}: not with {what} yet "
-                "(each API process would keep its own part of it); use one API process"
-            )
+def check_api_server_count(args: argparse.Namespace) -> None:
+    """Refuse, naming the flag, what several API processes cannot run with."""
+    if args.api_server_count > 1 and args.engine_in_thread:
+        raise SystemExit(
+            f"met serve: --api-server-count {args.api_server_count}: not with "
+            "--engine-in-thread (the other API processes reach the engine in its own process)"
+        )
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
@@ -93,6 +82,7 @@ class ApiProcessSpec:
     index: int
     parent_pid: int
     listener: socket.socket
+    admission: SharedAdmission  # the rate limits' and the queue bound's shared state
 
 
 class ApiProcesses:
@@ -110,6 +100,7 @@ class ApiProcesses:
         model_dir: Path,
         engines: list[EngineClient],
         listener: socket.socket,
+        admission: SharedAdmission,
     ) -> ApiProcesses:
         """Start them; `engines`: the engine (every data-parallel core), launched."""
         cores = []
@@ -119,7 +110,7 @@ class ApiProcesses:
         context = multiprocessing.get_context("spawn")
         processes, serving = [], []
         for index in range(1, engines[0].sockets.num_clients):
-            spec = ApiProcessSpec(args, model_dir, cores, index, os.getpid(), listener)
+            spec = ApiProcessSpec(args, model_dir, cores, index, os.getpid(), listener, admission)
             event = context.Event()
             process = context.Process(
                 target=run_api_process,
@@ -224,6 +215,7 @@ async def _serve(spec: ApiProcessSpec, serving: object) -> int:
         store,
         spec.model_dir,
         api_process=spec.index,
+        admission=spec.admission,
     )
     cores = [EngineClient.attach(sockets, spec.index, pid) for sockets, pid in spec.engines]
     try:

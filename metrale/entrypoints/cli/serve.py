@@ -71,8 +71,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="API processes serving the one engine on the same port (each detokenizes and "
         "streams the connections it accepts): more than one where a single process cannot "
         "keep up with the engine (hundreds of concurrent streams on a fast GPU; with "
-        "--data-parallel-size, each routes its requests over the cores); not yet with "
-        "--max-queued-requests or rate limits (default 1)",
+        "--data-parallel-size, each routes its requests over the cores; the rate limits, the "
+        "queue bound and the record store are the server's) (default 1)",
     )
     g.add_argument(
         "--always-include-usage",
@@ -270,7 +270,7 @@ async def _serve(args: argparse.Namespace) -> int:
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, main.cancel)
     engine_args = EngineArgs.from_cli(args)
     security = SecurityConfig.from_cli(args)  # a bad flag stops us before the weights load
-    check_api_server_count(args, engine_args, security)
+    check_api_server_count(args)
     per_run_store = _share_memory_store(args)
     store = open_record_store(args)
     bus = EventBus()

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import dataclasses
 import gc
 import logging
 import signal
@@ -19,14 +18,13 @@ import socket
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-import msgspec
 import uvicorn
 
 from metrale.engine.client import EngineClient
-from metrale.engine.messages import ForwardInfo
 from metrale.engine_args import EngineArgs
+from metrale.entrypoints.cli.serve_config import effective_config
 from metrale.server.security.config import SecurityConfig
 from metrale.server.stores import RecordStore
 from metrale.telemetry.bus import EventBus
@@ -40,6 +38,7 @@ if TYPE_CHECKING:
     from metrale.entrypoints.cli.api_processes import ApiProcesses
     from metrale.frontend.async_llm import AsyncLLM
     from metrale.frontend.parser_selection import BehaviorChoice, Source
+    from metrale.server.security.shared_admission import SharedAdmission
     from metrale.server.state import ServerSettings
     from metrale.telemetry.event_peers import EventPeers
     from metrale.telemetry.metrics_peers import MetricsPeers
@@ -90,12 +89,15 @@ class Startup:
         store: RecordStore,
         model_dir: Path,
         api_process: int = 0,
+        admission: SharedAdmission | None = None,
     ) -> None:
         self.args = args
         self.api_process = api_process  # which of `--api-server-count`'s processes this is
         self.listener: socket.socket | None = None  # bound already, with several
         self.extras: ApiProcesses | None = None  # the others, the first's to start and stop
         self.peers: list[MetricsPeers | EventPeers] = []  # links to the others' telemetry
+        # The admission rules' state the API processes share (the first makes it).
+        self.admission = admission
         self.engine_args = engine_args
         self.security = security
         self.bus = bus
@@ -115,11 +117,18 @@ class Startup:
         the socket bound already (several API processes): the first starts the others as soon
         as the engine is launched, and stops them before it."""
         self.listener = listener
+        owns_admission = listener is not None and self.api_process == 0
+        if owns_admission:
+            from metrale.server.security.shared_admission import SharedAdmission
+
+            self.admission = SharedAdmission.create(self.args.api_server_count)
         try:
             return await self._run(early, on_serving)
         finally:
             if self.extras is not None:
                 await self.extras.stop()
+            if owns_admission and self.admission is not None:
+                self.admission.remove()
 
     async def _run(
         self,
@@ -155,7 +164,10 @@ class Startup:
         from metrale.entrypoints.cli.api_processes import ApiProcesses
 
         if self.listener is not None and self.api_process == 0:
-            self.extras = ApiProcesses.start(self.args, self.model_dir, engines, self.listener)
+            assert self.admission is not None
+            self.extras = ApiProcesses.start(
+                self.args, self.model_dir, engines, self.listener, self.admission
+            )
 
     def load_config(self) -> tuple[EngineConfig, list[Source]]:
         """The engine's config as the engine resolves it, and where the parsers and the
@@ -333,7 +345,11 @@ class Startup:
                 serve_config=effective_config(
                     self.args, config, settings, behavior, self.security, llm.client.forward
                 ),
-                guard=Guard(self.security),
+                guard=(
+                    Guard(self.security)
+                    if self.admission is None
+                    else self.admission.guard(self.security, self.api_process)
+                ),
                 store=self.store,
                 api_server_count=count,
                 metrics_peers=metrics_peers,
@@ -420,6 +436,10 @@ class Startup:
         tasks = [asyncio.create_task(announce())]
         if extras is not None:
             tasks.append(asyncio.create_task(watch()))
+        state = app.state.server
+        if (waiting := state.guard.waiting) is not None:  # this process's count, for the others
+            count = lambda: state.llm.num_waiting + state.guard.num_reserved()  # noqa: E731
+            tasks.append(asyncio.create_task(waiting.keep_fresh(count)))
         _freeze_startup_heap()
         await server.serve(sockets=None if listener is None else [listener])
         for task in tasks:
@@ -457,60 +477,3 @@ class _Server(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
-
-
-def effective_config(
-    args: argparse.Namespace,
-    config: Any,
-    settings: Any,
-    behavior: Any,
-    security: SecurityConfig,
-    forward: ForwardInfo | None,
-) -> dict[str, Any]:
-    """What `/serve-config` shows: the server's settings, where its behaviour came from, the
-    engine's config and its parallelism, in plain JSON types."""
-
-    def plain(value: Any) -> Any:
-        if isinstance(value, msgspec.Struct):
-            return msgspec.to_builtins(value)
-        if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
-        if isinstance(value, list | tuple):
-            return [plain(v) for v in value]
-        if isinstance(value, dict):
-            return {str(k): plain(v) for k, v in value.items()}
-        if isinstance(value, int | float | str | bool) or value is None:
-            return value
-        return str(value)
-
-    return {
-        "server": {
-            "bind": args.bind,
-            "port": args.port,
-            # "uvloop" where installed (serve.py's _event_loop_factory), else "asyncio"
-            "event_loop": type(asyncio.get_running_loop()).__module__.split(".")[0],
-            "stream_interval": args.stream_interval,
-            "api_server_count": args.api_server_count,
-            **plain(settings),
-        },
-        # where the parsers and the thinking budget came from: a flag, MODEL.toml, a recipe...
-        "behavior_sources": {
-            "tool_call_parser": behavior.tool_call_parser_source,
-            "reasoning_parser": behavior.reasoning_parser_source,
-            "max_thinking_budget": behavior.max_thinking_budget_source,
-            "content_loop_watchdog": behavior.loop_watchdog_source,
-            "max_inter_tool_prose": behavior.max_inter_tool_prose_source,
-            "sampling_presets": behavior.sampling_presets_source,
-        },
-        "response_store": args.response_store,
-        "security": security.describe(),  # how many API keys, never the keys
-        "engine": plain(config),
-        # the engine process's threads, allocator and oneDNN layers on a CPU (None on a GPU)
-        "cpu_threads": plain(forward.cpu_threads if forward is not None else None),
-        "parallelism": {
-            "data_parallel_size": config.data_parallel_size,
-            "tensor_parallel_size": config.model.tensor_parallel_size,
-            "communication_backend": forward.communication_backend if forward else None,
-            "rank_devices": forward.rank_devices if forward else [],
-        },
-    }

@@ -7,11 +7,15 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from metrale.server.errors import APIError
 from metrale.server.security.api_keys import ApiKeys
 from metrale.server.security.config import SecurityConfig
 from metrale.server.security.rate_limiter import RateLimiter, Refusal
+
+if TYPE_CHECKING:
+    from metrale.server.security.shared_admission import WaitingSlots
 
 # Where the edge middleware leaves the client's id for the routes (in the ASGI scope's state).
 CLIENT_SCOPE_KEY = "metrale_client"
@@ -48,12 +52,22 @@ class Admission:
 
 
 class Guard:
-    def __init__(self, config: SecurityConfig, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        config: SecurityConfig,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        limiter: RateLimiter | None = None,
+        waiting: WaitingSlots | None = None,
+    ):
+        """`limiter` and `waiting`: the state other API processes share (`shared_admission.py`);
+        this process's own by default."""
         self.config = config
         self.keys = ApiKeys(config.api_keys, require_auth=config.require_auth)
-        self.limiter = RateLimiter(
+        self.limiter = limiter or RateLimiter(
             config.rate_limit_rpm, config.rate_limit_tpm, config.rate_limit_max_keys, clock
         )
+        self.waiting = waiting  # the other processes' waiting requests
         self.clock = clock
         # id(admission) -> (expiry, engine requests) of admissions whose streams have not started
         self._reservations: dict[int, tuple[float, int]] = {}
@@ -80,6 +94,9 @@ class Guard:
             )
         if limit is not None:
             num_waiting += self.num_reserved()
+            if self.waiting is not None:
+                self.waiting.publish(num_waiting)
+                num_waiting += self.waiting.others()
             if num_waiting + n > limit:
                 raise overloaded_error(num_waiting, limit)
         admission = Admission()

@@ -10,10 +10,11 @@ grow memory.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 SECONDS_PER_MINUTE = 60.0
@@ -131,61 +132,74 @@ class RateLimiter:
     def num_clients(self) -> int:
         return len(self._clients)
 
-    def _buckets(self, client: str, now: float) -> ClientBuckets:
+    def _new_buckets(self, now: float) -> ClientBuckets:
+        rpm, tpm = self.requests_per_minute, self.tokens_per_minute
+        return ClientBuckets(
+            TokenBucket(rpm, now) if rpm is not None else None,
+            TokenBucket(tpm, now) if tpm is not None else None,
+        )
+
+    @contextlib.contextmanager
+    def _use(self, client: str, now: float, create: bool = True) -> Iterator[ClientBuckets | None]:
+        """`client`'s buckets, to read or change: made on first use and then the most recently
+        used (`create`), or as they are, None if there are none."""
+        if not create:
+            yield self._clients.get(client)
+            return
         buckets = self._clients.get(client)
         if buckets is None:
-            rpm, tpm = self.requests_per_minute, self.tokens_per_minute
-            buckets = ClientBuckets(
-                TokenBucket(rpm, now) if rpm is not None else None,
-                TokenBucket(tpm, now) if tpm is not None else None,
-            )
-            self._clients[client] = buckets
+            buckets = self._clients[client] = self._new_buckets(now)
             while len(self._clients) > self.max_keys:
                 self._clients.popitem(last=False)
         else:
             self._clients.move_to_end(client)
-        return buckets
+        yield buckets
 
     def charge_request(self, client: str) -> Refusal | None:
         """Count one request against `client`'s requests per minute."""
         if self.requests_per_minute is None:
             return None
         now = self.clock()
-        bucket = self._buckets(client, now).requests
-        assert bucket is not None
-        wait = bucket.take(1, now)
-        return None if wait == 0 else Refusal("requests", bucket.capacity, wait)
+        with self._use(client, now) as buckets:
+            assert buckets is not None and buckets.requests is not None
+            wait = buckets.requests.take(1, now)
+        return None if wait == 0 else Refusal("requests", self.requests_per_minute, wait)
 
     def charge_tokens(self, client: str, amount: int) -> Refusal | None:
         """Charge `amount` tokens at admission; refund what goes unused with `refund_tokens`."""
         if self.tokens_per_minute is None:
             return None
         now = self.clock()
-        bucket = self._buckets(client, now).tokens
-        assert bucket is not None
-        wait = bucket.take(amount, now)
-        return None if wait == 0 else Refusal("tokens", bucket.capacity, wait, amount)
+        with self._use(client, now) as buckets:
+            assert buckets is not None and buckets.tokens is not None
+            wait = buckets.tokens.take(amount, now)
+        return None if wait == 0 else Refusal("tokens", self.tokens_per_minute, wait, amount)
 
     def refund_tokens(self, client: str, amount: int) -> None:
-        buckets = self._clients.get(client)
-        if buckets is not None and buckets.tokens is not None and amount > 0:
-            buckets.tokens.give_back(amount, self.clock())
+        if amount <= 0 or self.tokens_per_minute is None:
+            return
+        now = self.clock()
+        with self._use(client, now, create=False) as buckets:
+            if buckets is not None and buckets.tokens is not None:
+                buckets.tokens.give_back(amount, now)
 
     def headers(self, client: str) -> list[tuple[str, str]]:
         """OpenAI's `x-ratelimit-*` headers for `client`, for the limits that are set."""
-        buckets = self._clients.get(client)
-        if buckets is None:
+        if not self.enabled:
             return []
         now = self.clock()
         out = []
-        for kind, bucket in (("requests", buckets.requests), ("tokens", buckets.tokens)):
-            if bucket is None:
-                continue
-            out += [
-                (f"x-ratelimit-limit-{kind}", str(bucket.capacity)),
-                (f"x-ratelimit-remaining-{kind}", str(bucket.remaining(now))),
-                (f"x-ratelimit-reset-{kind}", format_duration(bucket.seconds_to_full(now))),
-            ]
+        with self._use(client, now, create=False) as buckets:
+            if buckets is None:
+                return []
+            for kind, bucket in (("requests", buckets.requests), ("tokens", buckets.tokens)):
+                if bucket is None:
+                    continue
+                out += [
+                    (f"x-ratelimit-limit-{kind}", str(bucket.capacity)),
+                    (f"x-ratelimit-remaining-{kind}", str(bucket.remaining(now))),
+                    (f"x-ratelimit-reset-{kind}", format_duration(bucket.seconds_to_full(now))),
+                ]
         return out
 
 
