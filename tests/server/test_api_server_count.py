@@ -49,6 +49,14 @@ def _running(pid: int) -> bool:
     return stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
 
 
+def _assert_gone(*pids: int) -> None:
+    """The server's children exit with it (within 10 s)."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(_running(p) for p in pids):
+        time.sleep(0.1)
+    assert not any(_running(p) for p in pids), "a child left running"
+
+
 @contextlib.contextmanager
 def _paused(pid: int) -> Iterator[None]:
     os.kill(pid, signal.SIGSTOP)
@@ -66,10 +74,7 @@ def two(qwen3_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[R
     yield running
     engine, api = _pids(running)
     assert stop_server(running) == 0, running.log()
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and (_running(engine) or _running(api)):
-        time.sleep(0.1)
-    assert not _running(engine) and not _running(api), "a child left running"
+    _assert_gone(engine, api)
 
 
 def _complete(server: RunningServer, prompt: str) -> openai.types.Completion:
@@ -204,10 +209,7 @@ def test_two_api_processes_over_two_data_parallel_cores(qwen3_dir: Path, tmp_pat
         assert _counter(scrape, "metrale:http_requests", **route) == 8
     finally:
         assert stop_server(server) == 0, server.log()
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and any(_running(p) for p in [api, *engines]):
-        time.sleep(0.1)
-    assert not any(_running(p) for p in [api, *engines]), "a child left running"
+    _assert_gone(api, *engines)
 
 
 def test_an_api_process_that_dies_takes_the_server_down(qwen3_dir: Path, tmp_path: Path):
@@ -220,10 +222,7 @@ def test_an_api_process_that_dies_takes_the_server_down(qwen3_dir: Path, tmp_pat
     finally:
         stop_server(server)
     assert "API process 1 exited" in server.log()
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and _running(engine):
-        time.sleep(0.1)
-    assert not _running(engine), "engine core left running"
+    _assert_gone(engine)
 
 
 def test_an_engine_in_a_thread_is_refused_at_start(qwen3_dir: Path):

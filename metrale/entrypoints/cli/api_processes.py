@@ -5,11 +5,11 @@ streams on a fast GPU it is the server's bound (issue 24's B4). With N, the proc
 runs in (the first) binds the listening socket before anything else and launches the engine
 (each data-parallel core), then starts N - 1 more: each is given the socket (all of them accept
 on it, and the kernel hands each connection to one), its own pair of each core's sockets
-(`EngineSockets`) and the flags.
-Each builds its own tokenizer, app and telemetry, waits for the engine as the first does, and
-serves. The first alone reports the engine's own figures (`Telemetry.reports_engine`); `/metrics`
-on any of them adds every process's series up (`MetricsPeers`); the record store is one SQLite
-file they share (a temporary one for `--response-store memory`).
+(`EngineSockets`) and the flags. Each builds its own tokenizer, app and telemetry, waits for
+the engine as the first does, and serves. The first alone reports the engine's own figures
+(`Telemetry.reports_engine`); `/metrics` on any of them adds every process's series up
+(`MetricsPeers`); the record store is one SQLite file they share (a temporary one for
+`--response-store memory`).
 
 The first stops the others (SIGTERM, then their graceful shutdown) before it stops the engine.
 One that exits unasked takes the server down, so an orchestrator restarts it whole; one whose
@@ -166,6 +166,7 @@ def run_api_process(spec: ApiProcessSpec, serving: object) -> None:
     """An API process past the first: the server around the engine the first launched, on the
     socket the first bound. Ctrl-C reaches the first, which stops this one by SIGTERM."""
     from metrale import envs
+    from metrale.engine.client import EngineDeadError
     from metrale.entrypoints.cli.serve import _event_loop_factory
     from metrale.telemetry import logs
 
@@ -177,8 +178,6 @@ def run_api_process(spec: ApiProcessSpec, serving: object) -> None:
     # The first process tells the startup; this one logs its requests and what goes wrong.
     for name in ("metrale.serve", "metrale.entrypoints", "metrale.demo"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    from metrale.engine.client import EngineDeadError
-
     try:
         with asyncio.Runner(loop_factory=_event_loop_factory()) as runner:
             code = runner.run(_serve(spec, serving))
