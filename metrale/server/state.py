@@ -14,6 +14,7 @@ from metrale.recipes import SamplingPresets
 from metrale.runner.structured_output import StructuredOutputs
 from metrale.sampling_params import SamplingParams, StructuredOutput
 from metrale.server.errors import APIError, model_not_found
+from metrale.server.openai.responses.background_peers import BackgroundPeers
 from metrale.server.security.config import SecurityConfig
 from metrale.server.security.guard import Guard
 from metrale.server.stores import RecordStore, open_store
@@ -79,6 +80,8 @@ class ServerState:
     # one, the others' /metrics series come from `metrics_peers`.
     api_server_count: int = 1
     metrics_peers: MetricsPeers | None = None
+    # With several, who runs which background response, and the way to reach it.
+    background_peers: BackgroundPeers | None = None
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.settings.served_model_name:

@@ -99,6 +99,76 @@ def _counter(text: str, family: str, **labels: str) -> float:
     raise AssertionError(f"no {family} in /metrics")
 
 
+@contextlib.contextmanager
+def _client_of(server: RunningServer, other: int) -> Iterator[openai.OpenAI]:
+    """An SDK client whose one connection the process that is not `other` accepted (made while
+    `other` is paused, then kept), with `other` running."""
+    with httpx.Client(base_url=server.base_url, timeout=60) as http:
+        with _paused(other):
+            http.get("/health")
+        yield openai.OpenAI(base_url=server.api_url, api_key="x", max_retries=0, http_client=http)
+
+
+def _hold_the_engine(server: RunningServer) -> threading.Thread:
+    """A long chat stream in the server's one sequence slot, read slowly in a thread."""
+    ready = threading.Event()
+    body = {
+        "model": MODEL_NAME,
+        "messages": [{"role": "user", "content": "go"}],
+        "max_tokens": 400,
+        "ignore_eos": True,
+        "stream": True,
+    }
+
+    def run() -> None:
+        url = server.api_url + "/chat/completions"
+        with httpx.stream("POST", url, json=body, timeout=120) as r:
+            for _ in r.iter_lines():
+                ready.set()
+                time.sleep(0.005)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    assert ready.wait(30)
+    return thread
+
+
+def test_a_background_response_answers_from_either_process(qwen3_dir: Path, tmp_path: Path):
+    """It runs in the process that took its POST (the second here); the first retrieves it,
+    cancels it and follows it as a stream, through the second."""
+    server = start_server(
+        qwen3_dir, tmp_path / "server.log", "--api-server-count", "2", "--max-num-seqs", "1"
+    )
+    try:
+        _wait_serving(server)
+        _, api = _pids(server)
+        first = server.process.pid
+        holder = _hold_the_engine(server)  # the background responses wait behind it
+        try:
+            with _client_of(server, first) as second:
+                queued = second.responses.create(model=MODEL_NAME, input="wait", background=True)
+                followed = second.responses.create(
+                    model=MODEL_NAME, input="follow", background=True, max_output_tokens=12
+                )
+            with _client_of(server, api) as other:
+                waiting = other.responses.retrieve(queued.id).status
+                assert waiting in ("queued", "in_progress")  # not "failed": it runs, there
+                assert other.responses.cancel(queued.id).status == "cancelled"
+                with other.responses.retrieve(followed.id, stream=True) as stream:
+                    events = list(stream)
+                final = other.responses.retrieve(followed.id)
+        finally:
+            holder.join()
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+        assert events[0].type == "response.created"
+        assert events[-1].type in ("response.completed", "response.incomplete")
+        assert events[-1].response.output_text == final.output_text
+        deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+        assert deltas == final.output_text
+    finally:
+        assert stop_server(server) == 0, server.log()
+
+
 def _scrape_from(server: RunningServer, other: int) -> str:
     """/metrics as the process that is not `other` answers it, with `other` running: the
     connection is made while `other` is paused, then kept."""
@@ -179,10 +249,7 @@ def test_a_reader_of_one_process_sees_the_other_process_requests(two: RunningSer
     assert served.usage.completion_tokens == 16
 
 
-def test_what_one_process_cannot_share_is_refused_in_api_shape(two: RunningServer):
-    client = openai.OpenAI(base_url=two.api_url, api_key="x", max_retries=0, timeout=60)
-    with pytest.raises(openai.BadRequestError, match="api-server-count"):
-        client.responses.create(model=MODEL_NAME, input="hi", background=True)
+def test_serve_config_tells_the_processes_and_the_shared_store(two: RunningServer):
     config = httpx.get(two.base_url + "/serve-config").json()
     assert config["server"]["api_server_count"] == 2
     assert config["response_store"].startswith("sqlite:")

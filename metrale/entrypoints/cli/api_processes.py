@@ -16,7 +16,8 @@ One that exits unasked takes the server down, so an orchestrator restarts it who
 parent is gone stops itself. Under data parallelism each process routes its own requests over
 the cores. The event bus reaches across them (`EventPeers`): `/v1/events` on any process and
 the dashboard see every process's requests; the rate limits and the queue bound hold across them
-(`shared_admission.py`). Not yet with several: background responses (each runs in one process).
+(`shared_admission.py`); a background response runs in the process that took it, and the
+others reach it there (`background_peers.py`).
 """
 
 from __future__ import annotations

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from metrale.entrypoints.cli.api_processes import ApiProcesses
     from metrale.frontend.async_llm import AsyncLLM
     from metrale.frontend.parser_selection import BehaviorChoice, Source
+    from metrale.server.openai.responses.background_peers import BackgroundPeers
     from metrale.server.security.shared_admission import SharedAdmission
     from metrale.server.state import ServerSettings
     from metrale.telemetry.event_peers import EventPeers
@@ -95,7 +96,8 @@ class Startup:
         self.api_process = api_process  # which of `--api-server-count`'s processes this is
         self.listener: socket.socket | None = None  # bound already, with several
         self.extras: ApiProcesses | None = None  # the others, the first's to start and stop
-        self.peers: list[MetricsPeers | EventPeers] = []  # links to the others' telemetry
+        # links to the others' telemetry and background responses
+        self.peers: list[MetricsPeers | EventPeers | BackgroundPeers] = []
         # The admission rules' state the API processes share (the first makes it).
         self.admission = admission
         self.engine_args = engine_args
@@ -315,6 +317,7 @@ class Startup:
         """The HTTP app around the engine: its settings, its state and its routes; with several
         API processes, this one's links to the others' metrics and events."""
         from metrale.server.app import build_app
+        from metrale.server.openai.responses.background_peers import BackgroundPeers
         from metrale.server.security.guard import Guard
         from metrale.server.state import ServerState
         from metrale.telemetry.event_peers import EventPeers
@@ -354,6 +357,11 @@ class Startup:
                 api_server_count=count,
                 metrics_peers=metrics_peers,
             )
+            if count > 1:
+                peers = BackgroundPeers(directory, self.api_process, self.store, state.background)
+                peers.start()
+                state.background_peers = peers
+                self.peers.append(peers)
             if self.security.api_keys:
                 logger.info(
                     "API keys: %d; required on %s",

@@ -35,6 +35,7 @@ from metrale.server.generation import admit, engine_error, stream_deltas, until_
 from metrale.server.json_body import JSONResponse
 from metrale.server.openai.pages import item_page
 from metrale.server.openai.responses import records
+from metrale.server.openai.responses.background_peers import stop_run
 from metrale.server.openai.responses.protocol import ResponsesRequest
 from metrale.server.openai.responses.run import ResponseRun
 from metrale.server.openai.responses.translate import ToolSet, chat_request, tool_set
@@ -52,13 +53,6 @@ async def create_response(request: Request) -> Any:
     body = await parse_body(request, ResponsesRequest)
     state.check_model(body.model)
     state.check_alive()
-    if body.background and state.api_server_count > 1:
-        raise APIError(
-            "background: not available with --api-server-count above 1 yet (a background "
-            "response runs in one API process, and its stream and cancel must reach that one)",
-            400,
-            param="background",
-        )
     tools = tool_set(body.tools)
     if body.previous_response_id is not None:
         past = records.history(state.store, body.previous_response_id)
@@ -242,7 +236,15 @@ def _start_background(
     queued = _finish(state, run, input_items)
     task = asyncio.create_task(_run_background(state, run, input_items))
     state.background[run.id] = (task, run)
-    task.add_done_callback(lambda _: state.background.pop(run.id, None))
+    if (peers := state.background_peers) is not None:
+        peers.started(run.id)  # the other API processes answer for it too
+
+    def ended(_: asyncio.Task) -> None:
+        state.background.pop(run.id, None)
+        if peers is not None:
+            peers.ended(run.id)
+
+    task.add_done_callback(ended)
     return queued
 
 
@@ -266,7 +268,7 @@ def _stored_response(state: ServerState, response_id: str) -> dict[str, Any]:
     """A stored response as it stands; a background one that was running when the server
     stopped has failed (nothing runs it any more)."""
     response = records.response_record(state.store, response_id)["response"]
-    if response["status"] in ("queued", "in_progress") and response_id not in state.background:
+    if response["status"] in ("queued", "in_progress") and _owner(state, response_id) is None:
         response["status"] = "failed"
         response["error"] = {
             "code": "server_error",
@@ -286,16 +288,20 @@ async def get_response(
     response = _stored_response(state, response_id)
     if not stream:
         return JSONResponse(response)
-    live = state.background.get(response_id)
-    if live is None:
+    owner = _owner(state, response_id)
+    if owner is None:
         raise APIError(
             "stream: only a background response that is running can be streamed again; "
             "fetch this one without stream",
             400,
             param="stream",
         )
-    run: ResponseRun = live[1]
-    return _event_stream(_frame(event) async for event in run.follow(starting_after))
+    if owner == "here":
+        events = state.background[response_id][1].follow(starting_after)
+    else:  # another API process runs it: its events come from there
+        assert state.background_peers is not None
+        events = state.background_peers.follow(owner, response_id, starting_after)
+    return _event_stream(_frame(event) async for event in events)
 
 
 @router.delete("/v1/responses/{response_id}")
@@ -326,14 +332,24 @@ async def cancel_response(request: Request, response_id: str) -> Any:
     return JSONResponse(_stored_response(state, response_id))
 
 
+def _owner(state: ServerState, response_id: str) -> Literal["here"] | int | None:
+    """Where a background response runs: this process, another API process (its index), or
+    nowhere (finished, or orphaned by a restart)."""
+    if response_id in state.background:
+        return "here"
+    if state.background_peers is not None:
+        return state.background_peers.owner(response_id)
+    return None
+
+
 async def _stop_background(state: ServerState, response_id: str) -> bool:
-    live = state.background.get(response_id)
-    if live is None:
-        return False
-    task = live[0]
-    task.cancel()
-    await asyncio.wait([task])
-    return True
+    owner = _owner(state, response_id)
+    if owner == "here":
+        return await stop_run(state.background, response_id)
+    if owner is not None:
+        assert state.background_peers is not None
+        return await state.background_peers.cancel(owner, response_id)
+    return False
 
 
 @router.get("/v1/responses/{response_id}/input_items")

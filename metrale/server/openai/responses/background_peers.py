@@ -1,0 +1,137 @@
+"""Background responses across API processes (`--api-server-count`): a background response
+runs in the process that took its POST, and any process answers for it.
+
+The owner writes a record of the run (`OWNERS` in the shared record store: the server run's id
+and its process index) as it starts the run and deletes it when the run ends; so another process
+tells a running response from one orphaned by a restart (the run's id is this server's). Each
+process answers its peers on a ROUTER socket: `cancel` stops a run it holds and says whether it
+did, `follow` streams a run's events after a sequence number, as the owner's own `GET ?stream`
+does, then `end`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable
+from pathlib import Path
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from metrale.server.stores import RecordStore
+
+logger = logging.getLogger(__name__)
+
+OWNERS = "background_owner"  # the store's kind for who runs a background response
+
+
+class BackgroundPeers:
+    def __init__(
+        self,
+        directory: Path,
+        index: int,
+        store: RecordStore,
+        runs: dict[str, tuple[asyncio.Task, Any]],
+    ) -> None:
+        self.directory, self.index, self.store = directory, index, store
+        self.run_id = directory.name  # this server's run: the engine sockets' directory
+        self.runs = runs  # this process's background runs (ServerState.background)
+        self._context = zmq.asyncio.Context()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def _address(self, index: int) -> str:
+        return f"ipc://{self.directory}/background-{index}"
+
+    # -- the owner's side --------------------------------------------------------------------
+
+    def started(self, response_id: str) -> None:
+        self.store.put(OWNERS, response_id, {"run": self.run_id, "process": self.index})
+
+    def ended(self, response_id: str) -> None:
+        self.store.delete(OWNERS, response_id)
+
+    def start(self) -> None:
+        self._router = self._context.socket(zmq.ROUTER)
+        self._router.bind(self._address(self.index))
+        self._spawn(self._answer())
+
+    def _spawn(self, work: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _answer(self) -> None:
+        while True:
+            peer, op, response_id, *rest = await self._router.recv_multipart()
+            if op == b"cancel":
+                self._spawn(self._cancel(peer, response_id.decode()))
+            elif op == b"follow":
+                self._spawn(self._follow(peer, response_id.decode(), int(rest[0])))
+
+    async def _cancel(self, peer: bytes, response_id: str) -> None:
+        stopped = await stop_run(self.runs, response_id)
+        await self._router.send_multipart([peer, b"done", b"1" if stopped else b"0"])
+
+    async def _follow(self, peer: bytes, response_id: str, after: int) -> None:
+        live = self.runs.get(response_id)
+        if live is not None:
+            async for event in live[1].follow(after):
+                await self._router.send_multipart([peer, b"event", json.dumps(event).encode()])
+        await self._router.send_multipart([peer, b"end", b""])
+
+    # -- another process's side --------------------------------------------------------------
+
+    def owner(self, response_id: str) -> int | None:
+        """The process running `response_id` in this server, or None (not running)."""
+        record = self.store.get(OWNERS, response_id)
+        if record is None or record.get("run") != self.run_id:
+            return None
+        return int(record["process"])
+
+    @contextlib.asynccontextmanager
+    async def _dealer(self, owner: int) -> AsyncIterator[zmq.asyncio.Socket]:
+        socket = self._context.socket(zmq.DEALER)
+        socket.connect(self._address(owner))
+        try:
+            yield socket
+        finally:
+            socket.close(linger=0)
+
+    async def cancel(self, owner: int, response_id: str) -> bool:
+        async with self._dealer(owner) as socket:
+            await socket.send_multipart([b"cancel", response_id.encode()])
+            _, stopped = await socket.recv_multipart()
+        return stopped == b"1"
+
+    async def follow(self, owner: int, response_id: str, after: int) -> AsyncIterator[Any]:
+        async with self._dealer(owner) as socket:
+            await socket.send_multipart([b"follow", response_id.encode(), str(after).encode()])
+            while True:
+                kind, body = await socket.recv_multipart()
+                if kind == b"end":
+                    return
+                yield json.loads(body)
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._router.close(linger=0)
+        self._context.term()
+
+
+async def stop_run(runs: dict[str, tuple[asyncio.Task, Any]], response_id: str) -> bool:
+    """Cancel a background run of this process and wait until it has stopped; whether it ran."""
+    live = runs.get(response_id)
+    if live is None:
+        return False
+    task = live[0]
+    task.cancel()
+    await asyncio.wait([task])
+    return True
