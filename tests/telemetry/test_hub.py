@@ -175,6 +175,30 @@ def test_engine_counts_grow_by_what_the_engine_added_and_summaries_are_throttled
     assert summary.prefix_cache_hit_rate == 32 / 80
 
 
+def test_an_api_process_past_the_first_reports_no_engine_figures():
+    """With several API processes every one gets the engine's state, the first its steps too:
+    only the first turns them into series and events, so a scrape that adds the processes up
+    counts each once."""
+    metrics, bus = Metrics("m", 4096), EventBus()
+    telemetry = Telemetry(metrics, bus, clock=lambda: 0.0, reports_engine=False)
+    sub = bus.subscribe()
+    step = StepStats(40, 2, 0.001, 0.004, True, ["r9"])
+    telemetry.request_added(EngineRequest("r1", [1, 2], SamplingParams(), 0.0), "completions")
+    telemetry.deltas([delta("r1", 3)], {}, now=0.01)
+    state = kv(num_used_blocks=25, num_running=2, num_prefix_queried_tokens=64, num_preemptions=4)
+    telemetry.engine_outputs(Outputs([], state, [], [step]), now=0.05)
+    got = samples(metrics)
+    assert got["metrale:generation_tokens_total{}"] == 3  # its own streams' tokens, flushed
+    assert got["metrale:iteration_tokens_total_count{}"] == 0
+    assert got["metrale:num_preemptions_total{}"] == 0
+    assert got["metrale:prefix_cache_queries_total{}"] == 0
+    assert got["metrale:num_requests_running{}"] == 0
+    published = []
+    while (event := sub.get_nowait()) is not None:
+        published.append(events.type_of(event))
+    assert "step" not in published and "preemption" not in published
+
+
 def test_per_token_histogram_writes_what_a_prometheus_histogram_writes():
     values = [0.0, 0.01, 0.0100001, 0.05, 0.3, 79.9, 80.0, 1e6, 0.024999]
     ours = PerTokenHistogram("h_seconds", "doc", ITL_BUCKETS, "m")
