@@ -335,7 +335,7 @@ class Telemetry:
         """This process's series in Prometheus' text format, brought up to date."""
         assert self.metrics is not None
         self.flush()
-        self.metrics.event_subscribers.set(self.bus.num_subscribers)
+        self.metrics.event_subscribers.set(self.bus.num_readers)  # (not the peers' links)
         return self.metrics.render()[0]
 
     # -- the routes ----------------------------------------------------------------------------

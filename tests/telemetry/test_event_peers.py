@@ -66,5 +66,11 @@ def test_a_local_only_subscription_does_not_get_remote_events():
         assert outgoing.get_nowait().request_id == "local" and outgoing.get_nowait() is None
         reader.close()
         assert changes == [1, 1, 0] and bus.num_readers == 0 and bus.has_subscribers
+        # /metrics counts readers, not the links that carry events to other processes
+        from metrale.telemetry.hub import Telemetry
+        from metrale.telemetry.metrics import Metrics
+
+        text = Telemetry(Metrics("m", 1024), bus).exposition().decode()
+        assert 'metrale:event_subscribers{model_name="m"} 0.0' in text.splitlines()
 
     asyncio.run(run())
