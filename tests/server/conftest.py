@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -142,3 +143,28 @@ def server(qwen3_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     yield running
     code = stop_server(running)
     assert code == 0, f"met serve did not shut down cleanly ({code}):\n{running.log()}"
+
+
+def hold_the_engine(server: RunningServer, max_tokens: int = 480) -> threading.Thread:
+    """A long chat stream in a server's one sequence slot (`--max-num-seqs 1`), read slowly in a
+    thread: what comes after it waits in the queue until it ends. Join the thread."""
+    ready = threading.Event()
+    body = {
+        "model": MODEL_NAME,
+        "messages": [{"role": "user", "content": "go"}],
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+    }
+
+    def run() -> None:
+        url = server.api_url + "/chat/completions"
+        with httpx.stream("POST", url, json=body, timeout=120) as r:
+            for _ in r.iter_lines():
+                ready.set()
+                time.sleep(0.005)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    assert ready.wait(30)
+    return thread

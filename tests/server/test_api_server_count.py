@@ -23,7 +23,13 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server.conftest import MODEL_NAME, RunningServer, start_server, stop_server
+from tests.server.conftest import (
+    MODEL_NAME,
+    RunningServer,
+    hold_the_engine,
+    start_server,
+    stop_server,
+)
 
 SERVE = [sys.executable, "-m", "metrale", "serve"]
 
@@ -110,30 +116,6 @@ def _client_of(server: RunningServer, other: int) -> Iterator[openai.OpenAI]:
         yield openai.OpenAI(base_url=server.api_url, api_key="x", max_retries=0, http_client=http)
 
 
-def _hold_the_engine(server: RunningServer) -> threading.Thread:
-    """A long chat stream in the server's one sequence slot, read slowly in a thread."""
-    ready = threading.Event()
-    body = {
-        "model": MODEL_NAME,
-        "messages": [{"role": "user", "content": "go"}],
-        "max_tokens": 400,
-        "ignore_eos": True,
-        "stream": True,
-    }
-
-    def run() -> None:
-        url = server.api_url + "/chat/completions"
-        with httpx.stream("POST", url, json=body, timeout=120) as r:
-            for _ in r.iter_lines():
-                ready.set()
-                time.sleep(0.005)
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    assert ready.wait(30)
-    return thread
-
-
 def test_a_background_response_answers_from_either_process(qwen3_dir: Path, tmp_path: Path):
     """It runs in the process that took its POST (the second here); the first retrieves it,
     cancels it and follows it as a stream, through the second."""
@@ -144,7 +126,7 @@ def test_a_background_response_answers_from_either_process(qwen3_dir: Path, tmp_
         _wait_serving(server)
         _, api = _pids(server)
         first = server.process.pid
-        holder = _hold_the_engine(server)  # the background responses wait behind it
+        holder = hold_the_engine(server, max_tokens=400)  # the background responses wait behind it
         try:
             with _client_of(server, first) as second:
                 queued = second.responses.create(model=MODEL_NAME, input="wait", background=True)

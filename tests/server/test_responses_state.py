@@ -10,17 +10,21 @@ before it could finish.
 from __future__ import annotations
 
 import json
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import openai
 import pytest
 
-from tests.server.conftest import MODEL_NAME, RunningServer, start_server, stop_server
+from tests.server.conftest import (
+    MODEL_NAME,
+    RunningServer,
+    hold_the_engine,
+    start_server,
+    stop_server,
+)
 
 
 class Restartable:
@@ -180,31 +184,6 @@ def test_truncation_auto_drops_the_oldest_items(client):
 # --- background responses ------------------------------------------------------------------------
 
 
-def hold_the_engine(served: Restartable) -> threading.Thread:
-    """A long chat stream on the server's one sequence slot, read slowly in a thread."""
-    ready = threading.Event()
-
-    def run() -> None:
-        body = {
-            "model": MODEL_NAME,
-            "messages": [{"role": "user", "content": "go"}],
-            "max_tokens": 480,
-            "ignore_eos": True,
-            "stream": True,
-        }
-        with httpx.stream(
-            "POST", served.server.api_url + "/chat/completions", json=body, timeout=120
-        ) as r:
-            for _ in r.iter_lines():
-                ready.set()
-                time.sleep(0.005)
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    assert ready.wait(30)
-    return thread
-
-
 def test_background_response_is_polled_to_completion(client):
     r = create(client, input="in the background", background=True)
     assert r.status in ("queued", "in_progress") and r.background
@@ -216,7 +195,7 @@ def test_background_response_is_polled_to_completion(client):
 
 
 def test_background_response_is_cancelled_while_queued(served, client):
-    holder = hold_the_engine(served)
+    holder = hold_the_engine(served.server)
     try:
         r = create(client, input="never mind", background=True)
         cancelled = client.responses.cancel(r.id)
@@ -229,7 +208,7 @@ def test_background_response_is_cancelled_while_queued(served, client):
 
 
 def test_background_response_can_be_followed_as_a_stream(served, client):
-    holder = hold_the_engine(served)
+    holder = hold_the_engine(served.server)
     try:
         r = create(client, input="follow me", background=True)
         with client.responses.retrieve(r.id, stream=True) as stream:
