@@ -76,9 +76,7 @@ class ServerState:
     store: RecordStore = field(default_factory=lambda: open_store("memory"))
     # Background responses running now: id -> (their task, their run).
     background: dict[str, tuple[asyncio.Task, Any]] = field(default_factory=dict)
-    # `--api-server-count`: the API processes serving, this one among them; with more than
-    # one, the others' /metrics series come from `metrics_peers`.
-    api_server_count: int = 1
+    # With several API processes (`--api-server-count`): the others' /metrics series.
     metrics_peers: MetricsPeers | None = None
     # With several, who runs which background response, and the way to reach it.
     background_peers: BackgroundPeers | None = None

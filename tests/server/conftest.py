@@ -49,6 +49,12 @@ class RunningServer:
         raise AssertionError("no engine-core process found")
 
 
+def process_running(pid: int) -> bool:
+    """Alive and not a zombie waiting to be reaped."""
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
+
+
 def start_server(model_dir: Path, log_path: Path, *extra: str) -> RunningServer:
     port = free_port()
     cmd = [

@@ -27,6 +27,7 @@ from tests.server.conftest import (
     MODEL_NAME,
     RunningServer,
     hold_the_engine,
+    process_running,
     start_server,
     stop_server,
 )
@@ -51,17 +52,12 @@ def _pids(server: RunningServer) -> tuple[int, int]:
     return int(engine[1]), int(api[1])
 
 
-def _running(pid: int) -> bool:
-    stat = Path(f"/proc/{pid}/stat")
-    return stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
-
-
 def _assert_gone(*pids: int) -> None:
     """The server's children exit with it (within 10 s)."""
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and any(_running(p) for p in pids):
+    while time.monotonic() < deadline and any(process_running(p) for p in pids):
         time.sleep(0.1)
-    assert not any(_running(p) for p in pids), "a child left running"
+    assert not any(process_running(p) for p in pids), "a child left running"
 
 
 @contextlib.contextmanager

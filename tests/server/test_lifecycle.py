@@ -6,13 +6,12 @@ import os
 import signal
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from tests.server.conftest import MODEL_NAME, start_server, stop_server
+from tests.server.conftest import MODEL_NAME, process_running, start_server, stop_server
 
 
 def test_sigint_shuts_down_cleanly(qwen3_dir, tmp_path):
@@ -21,15 +20,9 @@ def test_sigint_shuts_down_cleanly(qwen3_dir, tmp_path):
     server.process.send_signal(signal.SIGINT)
     assert server.process.wait(timeout=30) == 0, server.log()
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and _running(engine_pid):
+    while time.monotonic() < deadline and process_running(engine_pid):
         time.sleep(0.1)
-    assert not _running(engine_pid), "engine core left running"
-
-
-def _running(pid: int) -> bool:
-    """Alive and not a zombie waiting to be reaped."""
-    stat = Path(f"/proc/{pid}/stat")
-    return stat.exists() and stat.read_text().split()[2] != "Z"
+    assert not process_running(engine_pid), "engine core left running"
 
 
 def test_engine_death_fails_requests_and_turns_health_red(qwen3_dir, tmp_path):

@@ -354,7 +354,6 @@ class Startup:
                     else self.admission.guard(self.security, self.api_process)
                 ),
                 store=self.store,
-                api_server_count=count,
                 metrics_peers=metrics_peers,
             )
             if count > 1:
