@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import traceback
+from collections import deque
 
 import zmq
 
@@ -39,6 +40,7 @@ from metrale.telemetry import logs
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 500  # how often an idle engine checks that its parent is still alive
+BACKLOG_RETRY_MS = 10  # how often an idle engine retries a stalled API process's backlog
 
 
 def run_engine_core(
@@ -111,7 +113,13 @@ class ApiLinks:
     """The API processes an engine core serves: an input socket and an output socket each, in
     the order of `EngineSockets`. A request's outputs (and its refusal) go to the process that
     added it; every process gets the KV pool's state with each batch, and the first one, which
-    reports the engine's own figures (`Telemetry`), the step statistics too."""
+    reports the engine's own figures (`Telemetry`), the step statistics too.
+
+    With several, a process that stops reading (stopped, swapping, stuck) must not stop the
+    engine for the others: a send that would block (its socket's queue is full) is kept in that
+    process's backlog instead, later batches merged into the last one kept (their outputs in
+    order, the pool's latest state), and sent as soon as the process reads again (`flush`).
+    One process alone is sent to blocking: waiting for it is all the engine could do."""
 
     def __init__(self, context: zmq.Context, sockets: EngineSockets) -> None:
         self.inputs, self.outputs = [], []
@@ -125,6 +133,8 @@ class ApiLinks:
             outputs.connect(sockets.output(client))
             self.outputs.append(outputs)
         self.owner: dict[str, int] = {}  # request id -> its API process, with several
+        # What could not be sent to each process yet: (kind, payload), oldest first.
+        self.backlog: list[deque[tuple[MessageKind, object]]] = [deque() for _ in self.outputs]
 
     def receive(self, timeout_ms: int) -> list[tuple[int, MessageKind, object]]:
         """The messages waiting, each with the index of the API process that sent it; waits up
@@ -168,21 +178,68 @@ class ApiLinks:
             if self.owner.get(request_id) == client:
                 del self.owner[request_id]
             refused[client].append((request_id, reason))
-        for client, socket in enumerate(self.outputs):
+        for client in range(len(self.outputs)):
             own_steps = steps if client == 0 else []
             message = Outputs(parts[client], kv_cache, refused[client], own_steps)
-            socket.send_multipart(encode(MessageKind.OUTPUTS, message))
+            self._deliver(client, MessageKind.OUTPUTS, message)
 
     def broadcast(self, kind: MessageKind, payload: object) -> None:
-        frames = encode(kind, payload)
-        for outputs in self.outputs:
-            outputs.send_multipart(frames)
+        if len(self.outputs) == 1:
+            self.outputs[0].send_multipart(encode(kind, payload))
+            return
+        for client in range(len(self.outputs)):
+            self._deliver(client, kind, payload)
+
+    @property
+    def backlogged(self) -> bool:
+        return any(self.backlog)
+
+    def flush(self) -> None:
+        """Send what each process's backlog holds, as far as its socket takes it now."""
+        for client in range(len(self.outputs)):
+            self._flush(client)
+
+    def _flush(self, client: int) -> None:
+        backlog = self.backlog[client]
+        while backlog and self._try_send(client, *backlog[0]):
+            backlog.popleft()
+
+    def _deliver(self, client: int, kind: MessageKind, payload: object) -> None:
+        backlog = self.backlog[client]
+        self._flush(client)
+        if not backlog and self._try_send(client, kind, payload):
+            return
+        if backlog and kind is MessageKind.OUTPUTS and backlog[-1][0] is MessageKind.OUTPUTS:
+            kept = backlog[-1][1]
+            assert isinstance(kept, Outputs) and isinstance(payload, Outputs)
+            backlog[-1] = (kind, merged(kept, payload))
+        else:
+            backlog.append((kind, payload))
+
+    def _try_send(self, client: int, kind: MessageKind, payload: object) -> bool:
+        try:
+            self.outputs[client].send_multipart(encode(kind, payload), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        return True
 
     def close(self) -> None:
+        self.flush()
         for outputs in self.outputs:
             outputs.close(linger=1000)
         for inputs in self.inputs:
             inputs.close(linger=0)
+
+
+def merged(first: Outputs, then: Outputs) -> Outputs:
+    """Two batches for one process as one: both batches' outputs, refusals and step figures in
+    order, the pool's state after the second."""
+    return Outputs(
+        first.outputs + then.outputs,
+        then.kv_cache,
+        first.rejected + then.rejected,
+        first.steps + then.steps,
+    )
 
 
 def _serve(core: EngineCore, links: ApiLinks, parent_pid: int | None) -> None:
@@ -190,7 +247,11 @@ def _serve(core: EngineCore, links: ApiLinks, parent_pid: int | None) -> None:
         step_outputs: list[EngineOutput] = []
         rejected: list[tuple[int, str, str]] = []
         changed = False
+        if links.backlogged:
+            links.flush()
         timeout_ms = 0 if core.has_unfinished_requests() else IDLE_POLL_MS
+        if links.backlogged:  # come back soon to send it
+            timeout_ms = min(timeout_ms, BACKLOG_RETRY_MS)
         while messages := links.receive(timeout_ms):
             timeout_ms = 0
             changed = True

@@ -5,11 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
 from pathlib import Path
 
+import zmq
+
 from metrale.engine.client import EngineClient, EngineDeadError, EngineProcess
-from metrale.engine.messages import EngineRequest, Outputs
+from metrale.engine.core_loop import ApiLinks
+from metrale.engine.messages import EngineOutput, EngineRequest, KVCacheStats, Outputs, decode
+from metrale.engine.spawn import EngineSockets
 from metrale.engine_args import EngineArgs
 from metrale.sampling_params import SamplingParams
 
@@ -106,3 +111,66 @@ def test_an_attached_process_sees_the_engine_stop(qwen3_dir: Path):
 def test_a_process_id_that_exited_is_not_alive():
     assert EngineProcess(os.getpid()).is_alive()
     assert not EngineProcess(2**22 + 12345).is_alive()
+
+
+def _pool(num_running: int) -> KVCacheStats:
+    counts = dict.fromkeys(("num_used_blocks", "num_cached_blocks", "bytes_per_block"), 0)
+    counts |= dict.fromkeys(("num_prefix_queried_tokens", "num_prefix_hit_tokens"), 0)
+    counts |= dict(num_waiting=0, num_preemptions=0)
+    return KVCacheStats(num_blocks=64, block_size=16, num_running=num_running, **counts)
+
+
+def test_a_process_that_stops_reading_does_not_stop_the_engine(tmp_path: Path):
+    """Its batches wait in the engine's backlog, merged, while the other process gets each of
+    its own; once it reads again it gets every output in order and the pool's latest state."""
+    context = zmq.Context()
+    sockets = EngineSockets(tmp_path, num_clients=2)
+    readers = []
+    for client in range(2):
+        reader = context.socket(zmq.PULL)
+        reader.bind(sockets.output(client))
+        readers.append(reader)
+        context.socket(zmq.PUSH).bind(sockets.input(client))
+    links = ApiLinks(context, sockets)
+    links.added(0, "mine")
+    links.added(1, "stalled")
+    sends = 0
+
+    def engine() -> None:
+        nonlocal sends
+        while not links.backlogged or sends < 50:  # well past the point where it filled up
+            token = sends
+            outputs = [
+                EngineOutput("mine", [token], [], None, 0),
+                EngineOutput("stalled", [token], [], None, 0),
+            ]
+            links.send(outputs, _pool(sends), [], [])
+            sends += 1
+            assert sends < 200_000, "the stalled process's socket never filled up"
+
+    def first_reads() -> list[int]:
+        tokens, deadline = [], time.monotonic() + 30
+        while (len(tokens) < sends or worker.is_alive()) and time.monotonic() < deadline:
+            if readers[0].poll(50):
+                _, batch = decode(readers[0].recv_multipart())
+                tokens += [t for o in batch.outputs for t in o.new_token_ids]
+        return tokens
+
+    worker = threading.Thread(target=engine)
+    worker.start()
+    mine = first_reads()
+    assert not worker.is_alive(), "a process that does not read blocked the engine"
+    assert mine == list(range(sends))
+
+    stalled, last_pool = [], None
+    while len(stalled) < sends:
+        links.flush()  # as the engine's loop does each turn
+        if readers[1].poll(50):
+            _, batch = decode(readers[1].recv_multipart())
+            stalled += [t for o in batch.outputs for t in o.new_token_ids]
+            last_pool = batch.kv_cache
+    assert stalled == list(range(sends))
+    assert last_pool is not None and last_pool.num_running == sends - 1
+    assert not links.backlogged
+    links.close()
+    context.destroy(linger=0)
