@@ -3,17 +3,25 @@
 A block holds the keys and values of `block_size` consecutive tokens of one sequence, for every
 layer. The pool owns every block and what stays true of each:
 - `ref_count` is the number of running requests whose block table holds it;
-- a block with `ref_count == 0` is in the free queue, least recently freed first;
+- a block with `ref_count == 0` is free: with no cached contents, in the clean set; with them,
+  in the evictable queue, least recently freed first;
 - a full block may carry the chained hash of its tokens (and of every token before them); the
-  hash maps back to the block in `cached`, and stays valid while the block sits in the free queue,
-  so a later request with the same prefix reuses it. Taking a free block for new tokens evicts
-  its hash.
+  hash maps back to the block in `cached`, and stays valid while the block sits in the evictable
+  queue, so a later request with the same prefix reuses it. Taking such a block for new tokens
+  evicts its hash.
+
+New tokens take clean blocks first, the lowest-numbered first, and evict cached contents only
+when no clean block is left (as SGLang's radix cache takes its free pool before it evicts): no
+cached prefix is lost while room that holds nothing is free, and a request's blocks lie in
+ascending order as far as the pool allows, which the decode attention reads faster than blocks
+scattered by the order requests happened to finish in (bench/results/...).
 """
 
 from __future__ import annotations
 
 import array
 import hashlib
+import heapq
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -61,18 +69,17 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
-        self._free: OrderedDict[int, KVCacheBlock] = OrderedDict(
-            (b.block_id, b) for b in self.blocks
-        )
+        self._clean: list[int] = list(range(num_blocks))  # a heap of free, uncached block ids
+        self._evictable: OrderedDict[int, KVCacheBlock] = OrderedDict()
         self.cached: dict[BlockHash, KVCacheBlock] = {}
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return len(self._clean) + len(self._evictable)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free_blocks
 
     @property
     def num_cached_blocks(self) -> int:
@@ -82,24 +89,29 @@ class BlockPool:
         return self.cached.get(block_hash)
 
     def allocate(self, num_blocks: int) -> list[KVCacheBlock]:
-        """Take `num_blocks` free blocks, evicting the least recently freed cached contents."""
-        if num_blocks > len(self._free):
-            raise RuntimeError(f"asked for {num_blocks} blocks with {len(self._free)} free")
-        taken = []
-        for _ in range(num_blocks):
-            _, block = self._free.popitem(last=False)
-            if block.block_hash is not None:
-                del self.cached[block.block_hash]
-                block.block_hash = None
+        """Take `num_blocks` free blocks: clean ones, lowest first, then by evicting the least
+        recently freed cached contents."""
+        if num_blocks > self.num_free_blocks:
+            raise RuntimeError(f"asked for {num_blocks} blocks with {self.num_free_blocks} free")
+        clean = min(num_blocks, len(self._clean))
+        taken = [self.blocks[heapq.heappop(self._clean)] for _ in range(clean)]
+        evicted = []
+        for _ in range(num_blocks - clean):
+            _, block = self._evictable.popitem(last=False)
+            del self.cached[block.block_hash]
+            block.block_hash = None
+            evicted.append(block)
+        evicted.sort(key=lambda b: b.block_id)  # (released tail first: ascending again)
+        taken += evicted
+        for block in taken:
             block.ref_count = 1
-            taken.append(block)
         return taken
 
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Claim cached blocks for one more request."""
         for block in blocks:
             if block.ref_count == 0:
-                del self._free[block.block_id]
+                del self._evictable[block.block_id]
             block.ref_count += 1
 
     def release(self, blocks: Sequence[KVCacheBlock]) -> None:
@@ -107,8 +119,12 @@ class BlockPool:
         for block in blocks:
             block.ref_count -= 1
             assert block.ref_count >= 0, f"block {block.block_id} released twice"
-            if block.ref_count == 0:
-                self._free[block.block_id] = block
+            if block.ref_count > 0:
+                continue
+            if block.block_hash is None:
+                heapq.heappush(self._clean, block.block_id)
+            else:
+                self._evictable[block.block_id] = block
 
     def cache(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
         """Publish a full block under its hash; an identical block published first stays."""

@@ -21,12 +21,36 @@ def test_cached_block_survives_release_until_evicted():
     pool.cache(block, h)
     pool.release([block])
     assert pool.lookup(h) is block, "a freed block keeps its contents until reused"
-    # The unhashed free block is taken first only if it is older in the LRU; here it is.
-    pool.allocate(1)
+    pool.allocate(1)  # the block that holds nothing is taken first
     assert pool.lookup(h) is block
     pool.allocate(1)  # now the cached block is the only one left: taking it evicts the hash
     assert pool.lookup(h) is None
     assert block.block_hash is None
+
+
+def test_blocks_that_hold_nothing_are_taken_before_any_cached_contents_are_evicted():
+    pool = BlockPool(4)
+    blocks = pool.allocate(4)
+    for i, block in enumerate(blocks[:2]):
+        pool.cache(block, hash_block(root_hash(), [i]))
+    pool.release(blocks[:2][::-1])  # cached contents, freed first
+    pool.release(blocks[2:][::-1])  # nothing cached, freed after them
+    assert {b.block_id for b in pool.allocate(2)} == {2, 3}
+    assert pool.num_cached_blocks == 2
+    taken = pool.allocate(2)  # now only by evicting: least recently freed first
+    assert pool.num_cached_blocks == 0
+    assert [b.block_id for b in taken] == [0, 1], "ascending within one allocation"
+
+
+def test_new_blocks_come_lowest_first_whatever_order_they_were_freed_in():
+    pool = BlockPool(8, enable_prefix_caching=False)
+    blocks = pool.allocate(8)
+    assert [b.block_id for b in blocks] == list(range(8))
+    pool.release([blocks[i] for i in (5, 1, 7, 3)])
+    assert [b.block_id for b in pool.allocate(2)] == [1, 3]
+    pool.release([blocks[i] for i in (6, 0)])
+    assert [b.block_id for b in pool.allocate(4)] == [0, 5, 6, 7]
+    assert pool.num_free_blocks == 0
 
 
 def test_touch_revives_a_free_cached_block():
