@@ -352,3 +352,24 @@ def test_the_queue_bound_counts_every_process_waiting_requests(qwen3_dir: Path, 
         assert [r.status_code for r in replies] == [200, 200]  # both ran once the engine did
     finally:
         assert stop_server(server) == 0, server.log()
+
+
+def test_a_stopped_api_process_does_not_stop_the_others(two: RunningServer):
+    """The engine sends every process the pool's state each step; one that stops reading
+    (SIGSTOP) fills its socket within a few thousand steps, and the engine keeps serving the
+    other meanwhile (the stopped one's batches wait, merged, until it reads again)."""
+    _, api = _pids(two)
+    client = openai.OpenAI(base_url=two.api_url, api_key="x", max_retries=0, timeout=60)
+    with _paused(api):  # only the first accepts, and the second reads nothing
+        for _ in range(12):  # ~6,000 steps
+            done = client.completions.create(
+                model=MODEL_NAME,
+                prompt="one two three",
+                max_tokens=500,
+                temperature=0.0,
+                extra_body={"ignore_eos": True},
+            )
+            assert done.usage.completion_tokens == 500
+    # The second reads its backlog and serves again.
+    with _paused(two.process.pid):
+        assert _complete(two, "one two three").usage.completion_tokens == 16
