@@ -11,6 +11,7 @@ import json
 import sqlite3
 import tempfile
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -402,6 +403,41 @@ def test_sqlite_uses_wal(tmp_path: Path) -> None:
         store.close()
 
 
+def test_sqlite_takes_a_file_of_the_first_schema_and_counts_its_records(tmp_path: Path) -> None:
+    """A file written before the `totals` row existed: opening counts its records once, and the
+    count is kept from then on (a shared store reads it back, not a scan, in every call)."""
+    path = tmp_path / "old.db"
+    conn = sqlite3.connect(path)
+    conn.executescript(
+        "CREATE TABLE records (seq INTEGER PRIMARY KEY, kind TEXT NOT NULL, key TEXT NOT NULL,"
+        " body TEXT NOT NULL, size INTEGER NOT NULL, touched_at REAL NOT NULL, UNIQUE (kind, key));"
+        "PRAGMA user_version = 1;"
+    )
+    now = time.time()
+    for i in range(3):
+        body = json.dumps({"i": i})
+        conn.execute(
+            "INSERT INTO records (kind, key, body, size, touched_at) VALUES (?, ?, ?, ?, ?)",
+            ("response", f"r{i}", body, len(body), now + i),
+        )
+    conn.commit()
+    conn.close()
+    limits = StoreLimits(max_entries=4, max_bytes=10_000, ttl_s=3600)
+    store = SqliteStore(path, limits, shared=True)
+    try:
+        assert len(store) == 3 and store.get("response", "r1") == {"i": 1}
+        store.put("response", "r3", {"i": 3})
+        store.put("response", "r4", {"i": 4})  # over 4 entries: the least recent, r0, goes
+        assert len(store) == 4 and store.get("response", "r0") is None
+    finally:
+        store.close()
+    conn = sqlite3.connect(path)
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == 2
+    scanned = conn.execute("SELECT COUNT(*), TOTAL(size) FROM records").fetchone()
+    assert conn.execute("SELECT num_rows, num_bytes FROM totals").fetchone() == (4, scanned[1])
+    conn.close()
+
+
 def test_sqlite_refuses_a_file_that_is_not_a_database(tmp_path: Path) -> None:
     path = tmp_path / "notes.txt"
     path.write_text("these are not the records you are looking for\n" * 200)
@@ -604,6 +640,10 @@ def test_concurrent_writers_in_processes_never_pass_the_limits(tmp_path: Path) -
     assert [w.exitcode for w in writers] == [0, 0, 0]
     rows = sqlite3.connect(path).execute("SELECT COUNT(*) FROM records").fetchone()[0]
     assert rows == 30  # and not one process's view of it
+    # The totals row the file's triggers keep agrees with a scan, after 240 racing writes.
+    conn = sqlite3.connect(path)
+    scanned = conn.execute("SELECT COUNT(*), TOTAL(size) FROM records").fetchone()
+    assert conn.execute("SELECT num_rows, num_bytes FROM totals").fetchone() == (30, scanned[1])
     keys = [k for (k,) in sqlite3.connect(path).execute("SELECT key FROM records")]
     for prefix in "xyz":  # eviction by the file's recency: what is left of a writer is its last
         kept = sorted(int(key[1:]) for key in keys if key[0] == prefix)

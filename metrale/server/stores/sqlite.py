@@ -10,7 +10,7 @@ from pathlib import Path
 
 from metrale.server.stores.base import DEFAULT_LIMITS, RecordStore, Stamp, StoreLimits
 
-SCHEMA_VERSION = 1  # PRAGMA user_version of a file this module wrote
+SCHEMA_VERSION = 2  # PRAGMA user_version of a file this module wrote (1: before `totals`)
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS records (
     seq INTEGER PRIMARY KEY,  -- creation order; an upsert that replaces a row keeps it
@@ -23,6 +23,23 @@ CREATE TABLE IF NOT EXISTS records (
 );
 CREATE INDEX IF NOT EXISTS records_by_kind_seq ON records (kind, seq);
 CREATE INDEX IF NOT EXISTS records_by_touched_at ON records (touched_at);
+-- The row count and byte total, kept by the triggers in the writes' own transactions: a
+-- process that shares the file reads them back in one row, not a scan of every record.
+CREATE TABLE IF NOT EXISTS totals (
+    id INTEGER PRIMARY KEY CHECK (id = 0),
+    num_rows INTEGER NOT NULL,
+    num_bytes INTEGER NOT NULL
+);
+INSERT OR IGNORE INTO totals SELECT 0, COUNT(*), TOTAL(size) FROM records;
+CREATE TRIGGER IF NOT EXISTS totals_on_insert AFTER INSERT ON records BEGIN
+    UPDATE totals SET num_rows = num_rows + 1, num_bytes = num_bytes + NEW.size;
+END;
+CREATE TRIGGER IF NOT EXISTS totals_on_delete AFTER DELETE ON records BEGIN
+    UPDATE totals SET num_rows = num_rows - 1, num_bytes = num_bytes - OLD.size;
+END;
+CREATE TRIGGER IF NOT EXISTS totals_on_resize AFTER UPDATE OF size ON records BEGIN
+    UPDATE totals SET num_bytes = num_bytes - OLD.size + NEW.size;
+END;
 """
 SCAN_BATCH = 64  # rows fetched at a time while listing: a page rarely needs more
 
@@ -33,8 +50,9 @@ class SqliteStore(RecordStore):
     file's write lock first (`BEGIN IMMEDIATE`) and reads the totals and the newest stamp back,
     as the other processes left them.
 
-    The row count and byte total live in Python and are read back from the table on opening
-    (and after a rollback), so the limits hold across restarts without a scan per call. Kinds
+    The row count and byte total live in Python, read back from the `totals` row (which the
+    file's triggers keep) on opening, after a rollback and, when shared, in each operation, so
+    the limits hold across restarts and processes without a scan per call. Kinds
     and keys reach SQL only as bound parameters. Opening applies `limits` at once, so a file
     reopened with smaller limits is trimmed before the first call.
     """
@@ -69,7 +87,7 @@ class SqliteStore(RecordStore):
             self._load_newest_stamp()
 
     def _load_totals(self) -> None:
-        count, total = self._conn.execute("SELECT COUNT(*), TOTAL(size) FROM records").fetchone()
+        count, total = self._conn.execute("SELECT num_rows, num_bytes FROM totals").fetchone()
         self._num_rows, self._total_bytes = count, int(total)
 
     def _size(self, kind: str, key: str) -> int | None:
@@ -184,7 +202,7 @@ def _connect(path: Path) -> sqlite3.Connection:
 
 def _prepare(conn: sqlite3.Connection, path: Path) -> None:
     version = conn.execute("PRAGMA user_version").fetchone()[0]  # a non-database fails here
-    if version not in (0, SCHEMA_VERSION):
+    if version not in (0, 1, SCHEMA_VERSION):
         raise ValueError(
             f"{path} is a SQLite database of schema version {version}, not a record store of "
             f"version {SCHEMA_VERSION}: point the record store at a new file"
@@ -192,6 +210,6 @@ def _prepare(conn: sqlite3.Connection, path: Path) -> None:
     conn.execute("PRAGMA journal_mode=WAL")
     # With WAL, NORMAL cannot corrupt the file; a power cut may lose the last few commits.
     conn.execute("PRAGMA synchronous=NORMAL")
-    conn.executescript(SCHEMA)
-    conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
-    conn.commit()
+    # One transaction: a process sharing the file cannot write between the totals' first count
+    # (a file of version 1 has rows and no triggers) and the triggers that keep them.
+    conn.executescript(f"BEGIN IMMEDIATE; {SCHEMA} PRAGMA user_version = {SCHEMA_VERSION}; COMMIT;")
