@@ -80,12 +80,12 @@ def two(qwen3_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[R
     _assert_gone(engine, api)
 
 
-def _complete(server: RunningServer, prompt: str) -> openai.types.Completion:
+def _complete(server: RunningServer, prompt: str, max_tokens: int = 16) -> openai.types.Completion:
     client = openai.OpenAI(base_url=server.api_url, api_key="x", max_retries=0, timeout=60)
     return client.completions.create(
         model=MODEL_NAME,
         prompt=prompt,
-        max_tokens=16,
+        max_tokens=max_tokens,
         temperature=0.0,
         extra_body={"ignore_eos": True},
     )
@@ -359,16 +359,9 @@ def test_a_stopped_api_process_does_not_stop_the_others(two: RunningServer):
     (SIGSTOP) fills its socket within a few thousand steps, and the engine keeps serving the
     other meanwhile (the stopped one's batches wait, merged, until it reads again)."""
     _, api = _pids(two)
-    client = openai.OpenAI(base_url=two.api_url, api_key="x", max_retries=0, timeout=60)
     with _paused(api):  # only the first accepts, and the second reads nothing
         for _ in range(12):  # ~6,000 steps
-            done = client.completions.create(
-                model=MODEL_NAME,
-                prompt="one two three",
-                max_tokens=500,
-                temperature=0.0,
-                extra_body={"ignore_eos": True},
-            )
+            done = _complete(two, "one two three", max_tokens=500)
             assert done.usage.completion_tokens == 500
     # The second reads its backlog and serves again.
     with _paused(two.process.pid):
