@@ -95,14 +95,11 @@ class BlockPool:
             raise RuntimeError(f"asked for {num_blocks} blocks with {self.num_free_blocks} free")
         clean = min(num_blocks, len(self._clean))
         taken = [self.blocks[heapq.heappop(self._clean)] for _ in range(clean)]
-        evicted = []
         for _ in range(num_blocks - clean):
             _, block = self._evictable.popitem(last=False)
             del self.cached[block.block_hash]
             block.block_hash = None
-            evicted.append(block)
-        evicted.sort(key=lambda b: b.block_id)  # (released tail first: ascending again)
-        taken += evicted
+            taken.append(block)
         for block in taken:
             block.ref_count = 1
         return taken

@@ -39,7 +39,7 @@ def test_blocks_that_hold_nothing_are_taken_before_any_cached_contents_are_evict
     assert pool.num_cached_blocks == 2
     taken = pool.allocate(2)  # now only by evicting: least recently freed first
     assert pool.num_cached_blocks == 0
-    assert [b.block_id for b in taken] == [0, 1], "ascending within one allocation"
+    assert [b.block_id for b in taken] == [1, 0], "released tail first, so evicted tail first"
 
 
 def test_new_blocks_come_lowest_first_whatever_order_they_were_freed_in():
