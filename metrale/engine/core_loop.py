@@ -231,15 +231,15 @@ class ApiLinks:
             inputs.close(linger=0)
 
 
-def merged(first: Outputs, then: Outputs) -> Outputs:
+def merged(kept: Outputs, then: Outputs) -> Outputs:
     """Two batches for one process as one: both batches' outputs, refusals and step figures in
-    order, the pool's state after the second."""
-    return Outputs(
-        first.outputs + then.outputs,
-        then.kv_cache,
-        first.rejected + then.rejected,
-        first.steps + then.steps,
-    )
+    order, the pool's state after the second. `kept`'s lists (a backlog's own, built for that
+    process alone) grow in place, so a long stall costs each step its own batch, not a copy of
+    all that waits."""
+    kept.outputs.extend(then.outputs)
+    kept.rejected.extend(then.rejected)
+    kept.steps.extend(then.steps)
+    return Outputs(kept.outputs, then.kv_cache, kept.rejected, kept.steps)
 
 
 def _serve(core: EngineCore, links: ApiLinks, parent_pid: int | None) -> None:
