@@ -22,6 +22,7 @@ from metrale.telemetry import events
 from metrale.telemetry.bus import EventBus
 from metrale.telemetry.hub import Telemetry
 from metrale.telemetry.metrics import ITL_BUCKETS, Metrics, PerTokenHistogram, one_two_five_buckets
+from tests.telemetry.test_bus import drain
 
 
 def samples(metrics: Metrics) -> dict[str, float]:
@@ -85,9 +86,7 @@ def test_request_figures_are_exact():
     assert got["metrale:request_time_per_output_token_seconds_count{}"] == 1
     assert got["metrale:e2e_request_latency_seconds_sum{}"] == 3.5
     assert got["metrale:request_generation_tokens_sum{}"] == 4
-    kinds = []
-    while (event := sub.get_nowait()) is not None:
-        kinds.append(event)
+    kinds = drain(sub)
     assert [events.type_of(e) for e in kinds] == [
         "request.admitted",
         "request.first_token",
@@ -165,9 +164,7 @@ def test_engine_counts_grow_by_what_the_engine_added_and_summaries_are_throttled
     assert got["metrale:engine_step_seconds_count{part=device}"] == 2
     assert got["metrale:cuda_graph_replays_total{}"] == 2
     assert got["metrale:num_requests_running{}"] == 0  # the latest state
-    published = []
-    while (event := sub.get_nowait()) is not None:
-        published.append(event)
+    published = drain(sub)
     # the first batch was within the first 0.1 s and busy: no summary; the second went idle
     assert [events.type_of(e) for e in published] == ["preemption", "step"]
     summary = published[-1]
@@ -193,9 +190,7 @@ def test_an_api_process_past_the_first_reports_no_engine_figures():
     assert got["metrale:num_preemptions_total{}"] == 0
     assert got["metrale:prefix_cache_queries_total{}"] == 0
     assert got["metrale:num_requests_running{}"] == 0
-    published = []
-    while (event := sub.get_nowait()) is not None:
-        published.append(events.type_of(event))
+    published = [events.type_of(e) for e in drain(sub)]
     assert "step" not in published and "preemption" not in published
 
 
