@@ -33,7 +33,7 @@ from metrale.engine.messages import (
     encode,
 )
 from metrale.engine.spawn import EngineSockets, EngineSpec
-from metrale.engine.stats import forward_info, kv_cache_stats
+from metrale.engine.stats import DeviceMemoryReader, forward_info, kv_cache_stats
 from metrale.engine_config import EngineConfig
 from metrale.telemetry import logs
 
@@ -243,6 +243,7 @@ def merged(kept: Outputs, then: Outputs) -> Outputs:
 
 
 def _serve(core: EngineCore, links: ApiLinks, parent_pid: int | None) -> None:
+    memory = DeviceMemoryReader(core)
     while True:
         step_outputs: list[EngineOutput] = []
         rejected: list[tuple[int, str, str]] = []
@@ -279,4 +280,4 @@ def _serve(core: EngineCore, links: ApiLinks, parent_pid: int | None) -> None:
         if changed:
             steps = list(core.step_stats)
             core.step_stats.clear()
-            links.send(step_outputs, kv_cache_stats(core), rejected, steps)
+            links.send(step_outputs, kv_cache_stats(core, memory.read()), rejected, steps)

@@ -95,3 +95,18 @@ def test_a_runner_without_step_timing_measures_no_device_time(qwen3_dir):
         timed.step()
     assert all(s.device_s is not None and s.device_s >= 0 for s in timed.step_stats)
     assert len(timed.step_stats) == 3  # a prefill and two decodes
+
+
+def test_the_device_memory_sent_each_step_is_read_once_a_period(config):
+    from metrale.engine.stats import DeviceMemoryReader, kv_cache_stats
+
+    core = EngineCore(config, FakeRunner(), make_scheduler())
+    now = [5.0]
+    reader = DeviceMemoryReader(core, period_s=1.0, clock=lambda: now[0])
+    first = reader.read()
+    assert first.device == str(config.device)
+    now[0] = 5.99
+    assert reader.read() is first
+    assert kv_cache_stats(core, reader.read()).memory is first
+    now[0] = 6.0
+    assert reader.read() is not first

@@ -153,6 +153,17 @@ def test_bfloat16_with_graphs_and_gpu_memory_sizing(tmp_path):
     memory = device_memory(llm.engine)  # what /memory reports
     assert memory.total_bytes > memory.used_bytes >= memory.allocated_bytes > 0
     assert memory.budget_bytes == int(memory.total_bytes * 0.5)
+    # What the engine sends after each step: read again only once its period has passed.
+    from metrale.engine.stats import DeviceMemoryReader
+
+    now = [0.0]
+    reader = DeviceMemoryReader(llm.engine, period_s=1.0, clock=lambda: now[0])
+    first = reader.read()
+    taken = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
+    now[0] = 0.9
+    assert reader.read() is first
+    now[0] = 1.0
+    assert reader.read().allocated_bytes >= first.allocated_bytes + taken.numel()
 
 
 @pytest.mark.gpu
