@@ -9,7 +9,7 @@ Prints one JSON line: the median wall ms of a decode step, and ms a step in the 
 whole launch with the forward and the sampling, the update).
 
     python bench/host_step_cpu.py [--sampling greedy|sampled|seeded] [--rounds 3]
-        [--model PATH --streams 16]
+        [--model PATH --streams 16] [--prompt-len 128 --output-len 64]
 """
 
 from __future__ import annotations
@@ -78,17 +78,19 @@ def timed_parts() -> collections.Counter:
     return seconds
 
 
-def decode_steps(llm: LLM, streams: int, sampling: str, tag: str) -> list[float]:
+def decode_steps(
+    llm: LLM, streams: int, sampling: str, tag: str, prompt_len: int = 128, output_len: int = 64
+) -> list[float]:
     """Wall seconds of each step after the one that prefills every prompt."""
     g = torch.Generator().manual_seed(0)
     for i in range(streams):
         params = SamplingParams(
             temperature=0.0 if sampling == "greedy" else 0.6,
-            max_tokens=64,
+            max_tokens=output_len,
             ignore_eos=True,
             seed=i if sampling == "seeded" else None,
         )
-        prompt = torch.randint(10, 4000, (128,), generator=g).tolist()
+        prompt = torch.randint(10, 4000, (prompt_len,), generator=g).tolist()
         llm.engine.add_request(EngineRequest(f"{tag}-{i}", prompt, params, 0.0))
     return timed_decode_steps(llm)
 
@@ -99,22 +101,25 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--model", help="default: the tiny Qwen3 built here")
     parser.add_argument("--streams", type=int, default=256)
+    parser.add_argument("--prompt-len", type=int, default=128, help="B2's contexts: 1000")
+    parser.add_argument("--output-len", type=int, default=64)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         llm = LLM(
             args.model or str(checkpoint(Path(tmp))),
             max_num_seqs=args.streams,
             max_seq_len=2048,
-            max_num_batched_tokens=args.streams * 128,
-            max_prefill_tokens=args.streams * 128,
+            max_num_batched_tokens=args.streams * args.prompt_len,
+            max_prefill_tokens=args.streams * args.prompt_len,
             enable_prefix_caching=False,
         )
-        decode_steps(llm, args.streams, args.sampling, "warm")
+        lens = (args.prompt_len, args.output_len)
+        decode_steps(llm, args.streams, args.sampling, "warm", *lens)
         seconds = timed_parts()
         rounds = []
         for r in range(args.rounds):
             seconds.clear()
-            times = decode_steps(llm, args.streams, args.sampling, f"r{r}")
+            times = decode_steps(llm, args.streams, args.sampling, f"r{r}", *lens)
             parts = {k: round(1e3 * v / len(times), 3) for k, v in seconds.items()}
             rounds.append({"step_ms_median": 1e3 * statistics.median(times), "parts_ms": parts})
     model = args.model or "tiny Qwen3"
