@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import multiprocessing
 import os
@@ -60,11 +61,28 @@ def offline_worker(model: str, flags: dict, prompts: list[list[int]], output_len
     llm = LLM(model, **flags)
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     llm.generate(prompts[:16], SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)
+    pauses = GcPauses()
     while pipe.recv():
+        pauses.seconds = 0.0
         begin = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - begin
-        pipe.send((sum(len(o.outputs[0].token_ids) for o in outputs), seconds))
+        pipe.send((sum(len(o.outputs[0].token_ids) for o in outputs), seconds, pauses.seconds))
+
+
+class GcPauses:
+    """Seconds this process has spent in the garbage collector since `seconds` was last reset."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._start = 0.0
+        gc.callbacks.append(self._on_collection)
+
+    def _on_collection(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._start
 
 
 _ACCESS = re.compile(
@@ -166,10 +184,11 @@ def main() -> None:
         log_lines = 0
         for i in range(args.rounds):
             ours.send(True)
-            tokens, seconds = ours.recv()
+            tokens, seconds, gc_seconds = ours.recv()
             server = load(pool, url, prompts, args.output_len, False, process.pid)
             entry = {
                 "offline_tokens_per_s": tokens / seconds,
+                "offline_gc_ms": 1e3 * gc_seconds,  # of its seconds, in the collector
                 "server_tokens_per_s": server["tokens_per_s"],
                 "ratio": server["tokens_per_s"] / (tokens / seconds),
                 "server_cpu_ms_per_1k_tokens": server["cpu_ms_per_1k_tokens"],

@@ -9,7 +9,6 @@ API processes: outputs are pushed, not requested. With several API processes
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import signal
@@ -20,6 +19,7 @@ import zmq
 
 from metrale import envs
 from metrale.engine.core import EngineCore
+from metrale.engine.heap import freeze_startup_heap
 from metrale.engine.messages import (
     EngineOutput,
     EngineRequest,
@@ -81,10 +81,7 @@ def run_engine_core(
             logger.exception("engine core failed to start")
             links.broadcast(MessageKind.FAILED, Failed(_one_line(e)))
             return
-        # Everything built so far (the block pool's tens of thousands of blocks, the model)
-        # lives as long as the engine: keep it out of the garbage collector's sweeps, which
-        # would otherwise walk it again and again from inside the busy loop.
-        gc.freeze()
+        freeze_startup_heap()  # or the busy loop's collections walk the model and the pool
         links.broadcast(MessageKind.READY, Ready(kv_cache_stats(core), forward_info(core)))
         _serve(core, links, parent_pid=None if in_process else os.getppid())
     except Exception:

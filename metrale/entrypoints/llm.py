@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import itertools
 import logging
+import weakref
 from collections.abc import Sequence
 
 import msgspec
@@ -12,6 +14,7 @@ from tqdm import tqdm
 
 from metrale import demo
 from metrale.engine.core import EngineCore
+from metrale.engine.heap import freeze_startup_heap
 from metrale.engine_args import EngineArgs
 from metrale.frontend.input_processor import InputProcessor, Prompt
 from metrale.frontend.output_processor import OutputProcessor, fold
@@ -43,6 +46,11 @@ class LLM:
         self._inputs = InputProcessor(self.tokenizer)
         self._outputs = OutputProcessor(self.tokenizer)
         self._request_counter = itertools.count()
+        # Out of the collector's sweeps while this engine runs; back in once it is gone, so
+        # that a notebook's or a test's next `LLM` does not keep this one's model for good
+        # (parts of it hold reference cycles, which only the collector frees).
+        freeze_startup_heap()
+        weakref.finalize(self, gc.unfreeze)
 
     def shutdown(self) -> None:
         """Stop the engine's other tensor-parallel ranks (a no-op at one rank)."""

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
+import weakref
 
 import pytest
 
@@ -281,3 +283,20 @@ def test_priority_orders_offline_requests_and_needs_the_priority_policy(qwen3_di
         llm.generate([[5, 6]], params, use_tqdm=False, priority=[1])
     with pytest.raises(ValueError, match="2 priorities for 1 prompts"):
         llm_p.generate([[5, 6]], params, use_tqdm=False, priority=[1, 2])
+
+
+def test_an_llm_keeps_its_startup_heap_out_of_the_collector_and_leaves_nothing_behind(
+    qwen3_dir, monkeypatch
+):
+    """Frozen while it runs (a full collection would walk the model and the pool); once it is
+    gone the model, which the compiled CPU decode holds in reference cycles, is collected like
+    any garbage."""
+    monkeypatch.setenv("METRALE_COMPILE_CPU_DECODE", "1")  # as `met serve` runs on a CPU
+    llm = LLM(model_from_path=str(qwen3_dir), max_seq_len=128)
+    assert llm.engine.runner.compiled is not None
+    assert gc.get_freeze_count() > 0
+    model = weakref.ref(llm.engine.runner.model)
+    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)
+    del llm
+    gc.collect()
+    assert model() is None

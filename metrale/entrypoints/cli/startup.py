@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import gc
 import logging
 import signal
 import socket
@@ -23,6 +22,7 @@ from typing import TYPE_CHECKING
 import uvicorn
 
 from metrale.engine.client import EngineClient
+from metrale.engine.heap import freeze_startup_heap
 from metrale.engine_args import EngineArgs
 from metrale.entrypoints.cli.serve_config import effective_config
 from metrale.server.security.config import SecurityConfig
@@ -447,23 +447,11 @@ class Startup:
         if (waiting := state.guard.waiting) is not None:  # this process's count, for the others
             count = lambda: state.llm.num_waiting + state.guard.num_reserved()  # noqa: E731
             tasks.append(asyncio.create_task(waiting.keep_fresh(count)))
-        _freeze_startup_heap()
+        freeze_startup_heap()
         await server.serve(sockets=None if listener is None else [listener])
         for task in tasks:
             task.cancel()
         return bool(failure)
-
-
-def _freeze_startup_heap() -> None:
-    """Everything startup built lives as long as the server: torch and the other modules, the
-    tokenizer, the app. Kept in the collector's sweeps, it made each full collection, which
-    requests' allocations trigger, walk millions of objects: at 256 concurrent streams that was
-    about 0.45 ms of the API process's CPU per request and a fifth of its CPU per token
-    (`bench/api_cost.py`). Frozen, a sweep walks only what serving allocated. What is garbage
-    already goes first, so nothing dead is kept for good."""
-    gc.collect()
-    gc.freeze()
-    logger.debug("%d objects of the startup heap frozen", gc.get_freeze_count())
 
 
 def _import_server() -> None:
