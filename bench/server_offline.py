@@ -55,7 +55,8 @@ REPO = ROOT.parent
 
 def offline_worker(model: str, flags: dict, prompts: list[list[int]], output_len: int, pipe):
     """The offline engine, built once; each message on `pipe` runs every prompt once and
-    answers (output tokens, seconds)."""
+    answers (output tokens, seconds, seconds in the garbage collector, the device's seconds and
+    the engine's steps)."""
     from metrale import LLM, SamplingParams
 
     llm = LLM(model, **flags)
@@ -64,10 +65,26 @@ def offline_worker(model: str, flags: dict, prompts: list[list[int]], output_len
     pauses = GcPauses()
     while pipe.recv():
         pauses.seconds = 0.0
+        llm.engine.step_stats.clear()
         begin = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - begin
-        pipe.send((sum(len(o.outputs[0].token_ids) for o in outputs), seconds, pauses.seconds))
+        steps = list(llm.engine.step_stats)
+        device_s = sum(s.device_s or 0.0 for s in steps)
+        tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+        pipe.send((tokens, seconds, pauses.seconds, device_s, len(steps)))
+
+
+def device_steps(url: str) -> tuple[float, int]:
+    """The server's engine steps so far: the device's seconds in them and their count (the
+    `metrale:engine_step_seconds` histogram's sum and count for the device part)."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    found = {}
+    for line in text.splitlines():
+        if line.startswith("metrale:engine_step_seconds_") and 'part="device"' in line:
+            name, value = line.rsplit(" ", 1)
+            found[name.split("{")[0].removeprefix("metrale:engine_step_seconds_")] = float(value)
+    return found.get("sum", 0.0), int(found.get("count", 0))
 
 
 class GcPauses:
@@ -184,8 +201,11 @@ def main() -> None:
         log_lines = 0
         for i in range(args.rounds):
             ours.send(True)
-            tokens, seconds, gc_seconds = ours.recv()
+            tokens, seconds, gc_seconds, device_s, steps = ours.recv()
+            before = device_steps(url)
             server = load(pool, url, prompts, args.output_len, False, process.pid)
+            time.sleep(0.5)  # the last steps' figures and access log lines in
+            after = device_steps(url)
             entry = {
                 "offline_tokens_per_s": tokens / seconds,
                 "offline_gc_ms": 1e3 * gc_seconds,  # of its seconds, in the collector
@@ -193,8 +213,16 @@ def main() -> None:
                 "ratio": server["tokens_per_s"] / (tokens / seconds),
                 "server_cpu_ms_per_1k_tokens": server["cpu_ms_per_1k_tokens"],
                 "api_busy": server["api_busy"],
+                # The device's time in the engine's steps (each from its launch on the stream
+                # to its tokens' copy) over the round's wall time, and the steps: where the
+                # server's round is longer, whether the device idled or had more to do.
+                "offline_device_busy": device_s / seconds,
+                "offline_steps": steps,
+                "server_device_busy": (after[0] - before[0])
+                * server["tokens_per_s"]
+                / server["tokens"],
+                "server_steps": after[1] - before[1],
             }
-            time.sleep(0.5)  # the access log's last lines written
             spread, log_lines = arrivals(logs / "server.log", log_lines, args.output_len)
             entry["arrivals"] = spread
             rounds.append(entry)

@@ -42,6 +42,14 @@ def compile_cpu_decode() -> bool:
     return os.environ.get("METRALE_COMPILE_CPU_DECODE", "1") != "0"
 
 
+def freeze_heap() -> bool:
+    """Whether a process that serves or generates keeps its startup heap out of the garbage
+    collector's sweeps (`engine.heap`): METRALE_FREEZE_HEAP=0 leaves it in (the test suite
+    does: it builds hundreds of engines in one process, and the full collection before each
+    freeze would walk all of the suite's heap each time)."""
+    return os.environ.get("METRALE_FREEZE_HEAP", "1") != "0"
+
+
 def cpu_kernels() -> bool:
     """Whether a CPU engine runs Metrale's C++ kernels (`kernels.cpu_extension`: packed GGUF
     products in compiled decode steps, paged decode attention in eager ones) where they build:

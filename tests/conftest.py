@@ -17,6 +17,7 @@ import torch
 # CPU engines run their decode steps eagerly here: compiling costs each engine 10-30 s, so only
 # the tests of the compiled path (tests/runner/test_compiled_decode.py) turn it on.
 os.environ.setdefault("METRALE_COMPILE_CPU_DECODE", "0")
+os.environ.setdefault("METRALE_FREEZE_HEAP", "0")  # each engine's full collection: see envs
 
 WEIGHT_SCALE = 0.15
 

@@ -14,12 +14,16 @@ from __future__ import annotations
 import gc
 import logging
 
+from metrale import envs
+
 logger = logging.getLogger(__name__)
 
 
 def freeze_startup_heap() -> None:
     """Move every object alive now out of the collector's reach, garbage collected first so
-    nothing dead is kept for good."""
+    nothing dead is kept for good (unless METRALE_FREEZE_HEAP=0)."""
+    if not envs.freeze_heap():
+        return
     gc.collect()
     gc.freeze()
     logger.debug("%d objects of the startup heap frozen", gc.get_freeze_count())

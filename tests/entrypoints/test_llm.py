@@ -292,6 +292,7 @@ def test_an_llm_keeps_its_startup_heap_out_of_the_collector_and_leaves_nothing_b
     gone the model, which the compiled CPU decode holds in reference cycles, is collected like
     any garbage."""
     monkeypatch.setenv("METRALE_COMPILE_CPU_DECODE", "1")  # as `met serve` runs on a CPU
+    monkeypatch.setenv("METRALE_FREEZE_HEAP", "1")  # as outside the test suite
     llm = LLM(model_from_path=str(qwen3_dir), max_seq_len=128)
     assert llm.engine.runner.compiled is not None
     assert gc.get_freeze_count() > 0
