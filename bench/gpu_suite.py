@@ -31,11 +31,13 @@ from pathlib import Path
 
 import msgspec
 import torch
+from gc_pauses import GcPauses
 from hf_reference import left_padded
 from provenance import git_sha
 from workload_floor import Device, ModelCosts, StepTrace, describe, matmul_flops, report
 
 from metrale.engine.core import EngineCore
+from metrale.engine.heap import freeze_startup_heap
 from metrale.engine.messages import EngineRequest
 from metrale.engine_args import EngineArgs
 from metrale.sampling_params import SamplingParams
@@ -104,7 +106,9 @@ def engine(config: dict, **kwargs) -> EngineCore:
         dtype="bfloat16",
         **(ENGINE_FLAGS | kwargs),
     )
-    return EngineCore.from_config(args.create_config(), progress=False)
+    core = EngineCore.from_config(args.create_config(), progress=False)
+    freeze_startup_heap()  # as `met serve`'s engine and `LLM` keep it; `release` thaws it
+    return core
 
 
 def add_requests(core: EngineCore, prompts: list[list[int]], params: list[SamplingParams]) -> None:
@@ -133,6 +137,7 @@ def run_traced(
     from the bandwidth and matmul rate measured at the start of the call."""
     add_requests(core, prompts, params)
     torch.cuda.synchronize()
+    pauses = GcPauses()
     start = time.perf_counter()
     num_tokens = 0
     with StepTrace(core) as trace:
@@ -140,13 +145,15 @@ def run_traced(
             num_tokens += sum(len(o.new_token_ids) for o in trace.step())
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
+    pauses.close()
     bw = results["bandwidth"]
     floor = report(
         trace.steps,
         ModelCosts.of(core),
         Device(bw["read_bytes_per_s"], bw["matmul_flops_per_s"]),
     )
-    print(describe(floor))
+    floor["gc_s"] = pauses.seconds  # of the run's seconds, in Python's garbage collector
+    print(describe(floor), f"({pauses.seconds:.3f} s in the garbage collector)")
     return seconds, num_tokens, floor
 
 
@@ -157,6 +164,7 @@ def release(core: EngineCore) -> None:
     for layer in core.runner.model.attention_layers():
         layer.bind_cache(torch.empty(0), torch.empty(0))
     core.runner.model = None
+    gc.unfreeze()
     gc.collect()
     torch.cuda.empty_cache()
 

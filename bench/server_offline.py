@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import json
 import multiprocessing
 import os
@@ -39,6 +38,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
+from gc_pauses import GcPauses  # noqa: E402
 from gpu_suite import LLAMA_8B  # noqa: E402
 from provenance import git_sha  # noqa: E402
 from serve_telemetry import (  # noqa: E402
@@ -85,21 +85,6 @@ def device_steps(url: str) -> tuple[float, int]:
             name, value = line.rsplit(" ", 1)
             found[name.split("{")[0].removeprefix("metrale:engine_step_seconds_")] = float(value)
     return found.get("sum", 0.0), int(found.get("count", 0))
-
-
-class GcPauses:
-    """Seconds this process has spent in the garbage collector since `seconds` was last reset."""
-
-    def __init__(self) -> None:
-        self.seconds = 0.0
-        self._start = 0.0
-        gc.callbacks.append(self._on_collection)
-
-    def _on_collection(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._start = time.perf_counter()
-        else:
-            self.seconds += time.perf_counter() - self._start
 
 
 _ACCESS = re.compile(
