@@ -23,6 +23,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from metrale.server.openai.responses.background_peers import PEER_TIMEOUT_S
 from tests.server.conftest import (
     MODEL_NAME,
     RunningServer,
@@ -144,6 +145,41 @@ def test_a_background_response_answers_from_either_process(qwen3_dir: Path, tmp_
         assert events[-1].response.output_text == final.output_text
         deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
         assert deltas == final.output_text
+    finally:
+        assert stop_server(server) == 0, server.log()
+
+
+def test_a_stopped_owner_of_a_background_response_is_a_503_not_a_hang(
+    qwen3_dir: Path, tmp_path: Path
+):
+    """The process running a background response is stopped (SIGSTOP): cancelling it or
+    following it through the other process answers 503 once the owner has not answered for
+    `PEER_TIMEOUT_S`; running again, the owner answers."""
+    server = start_server(
+        qwen3_dir, tmp_path / "server.log", "--api-server-count", "2", "--max-num-seqs", "1"
+    )
+    try:
+        _wait_serving(server)
+        _, api = _pids(server)
+        holder = hold_the_engine(server)  # the background response waits behind it
+        try:
+            with _client_of(server, server.process.pid) as second:
+                queued = second.responses.create(model=MODEL_NAME, input="wait", background=True)
+            with _client_of(server, api) as first:
+                with _paused(api):
+                    start = time.monotonic()
+                    with pytest.raises(openai.InternalServerError) as cancel:
+                        first.responses.cancel(queued.id)
+                    with pytest.raises(openai.InternalServerError) as follow:
+                        first.responses.retrieve(queued.id, stream=True)
+                    waited = time.monotonic() - start
+                assert first.responses.cancel(queued.id).status == "cancelled"
+        finally:
+            holder.join()
+        for error in (cancel.value, follow.value):
+            assert error.status_code == 503
+            assert "did not answer in 5 s" in error.message
+        assert 2 * PEER_TIMEOUT_S <= waited < 2 * PEER_TIMEOUT_S + 10
     finally:
         assert stop_server(server) == 0, server.log()
 

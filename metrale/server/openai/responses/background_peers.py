@@ -6,7 +6,9 @@ and its process index) as it starts the run and deletes it when the run ends; so
 tells a running response from one orphaned by a restart (the run's id is this server's). Each
 process answers its peers on a ROUTER socket: `cancel` stops a run it holds and says whether it
 did, `follow` streams a run's events after a sequence number, as the owner's own `GET ?stream`
-does, then `end`.
+does, then `end`. An owner answers within milliseconds (a follow says `following` before its
+events); one that does not within `PEER_TIMEOUT_S` is stopped or hung, and the asking request
+gets a 503 (`PeerUnavailable`) instead of waiting on it for good.
 """
 
 from __future__ import annotations
@@ -27,6 +29,11 @@ from metrale.server.stores import RecordStore
 logger = logging.getLogger(__name__)
 
 OWNERS = "background_owner"  # the store's kind for who runs a background response
+PEER_TIMEOUT_S = 5.0  # for an owner's first answer to a cancel or a follow
+
+
+class PeerUnavailable(Exception):
+    """The API process running a background response did not answer in time."""
 
 
 class BackgroundPeers:
@@ -77,6 +84,7 @@ class BackgroundPeers:
         await self._router.send_multipart([peer, b"done", b"1" if stopped else b"0"])
 
     async def _follow(self, peer: bytes, response_id: str, after: int) -> None:
+        await self._router.send_multipart([peer, b"following", b""])
         live = self.runs.get(response_id)
         if live is not None:
             async for event in live[1].follow(after):
@@ -92,29 +100,52 @@ class BackgroundPeers:
             return None
         return int(record["process"])
 
-    @contextlib.asynccontextmanager
-    async def _dealer(self, owner: int) -> AsyncIterator[zmq.asyncio.Socket]:
+    def _dealer(self, owner: int) -> zmq.asyncio.Socket:
         socket = self._context.socket(zmq.DEALER)
         socket.connect(self._address(owner))
+        return socket
+
+    async def _answer_of(self, socket: zmq.asyncio.Socket, owner: int) -> list[bytes]:
         try:
-            yield socket
-        finally:
-            socket.close(linger=0)
+            return await asyncio.wait_for(socket.recv_multipart(), PEER_TIMEOUT_S)
+        except TimeoutError:
+            raise PeerUnavailable(
+                f"the API process running this response (process {owner}) did not answer in "
+                f"{PEER_TIMEOUT_S:g} s; try again"
+            ) from None
 
     async def cancel(self, owner: int, response_id: str) -> bool:
-        async with self._dealer(owner) as socket:
+        """Whether the owner stopped the run; `PeerUnavailable` if it does not answer."""
+        socket = self._dealer(owner)
+        try:
             await socket.send_multipart([b"cancel", response_id.encode()])
-            _, stopped = await socket.recv_multipart()
+            _, stopped = await self._answer_of(socket, owner)
+        finally:
+            socket.close(linger=0)
         return stopped == b"1"
 
     async def follow(self, owner: int, response_id: str, after: int) -> AsyncIterator[Any]:
-        async with self._dealer(owner) as socket:
+        """The run's events after `after`, once the owner has answered (`PeerUnavailable`
+        before any event if it does not)."""
+        socket = self._dealer(owner)
+        try:
             await socket.send_multipart([b"follow", response_id.encode(), str(after).encode()])
+            await self._answer_of(socket, owner)  # "following"
+        except BaseException:
+            socket.close(linger=0)
+            raise
+        return self._events(socket)
+
+    @staticmethod
+    async def _events(socket: zmq.asyncio.Socket) -> AsyncIterator[Any]:
+        try:
             while True:
                 kind, body = await socket.recv_multipart()
                 if kind == b"end":
                     return
                 yield json.loads(body)
+        finally:
+            socket.close(linger=0)
 
     async def close(self) -> None:
         for task in list(self._tasks):
