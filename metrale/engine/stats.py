@@ -75,9 +75,10 @@ def device_memory(core: EngineCore) -> DeviceMemory:
 
 class DeviceMemoryReader:
     """`device_memory` for the reports sent after every step, asked of the driver at most once
-    every `period_s`: the query costs a step's host ~0.1 ms (2.6% of a busy engine's samples
-    on an H100), and what it reads moves only when memory is taken or given back on the device,
-    which `/memory` and the metrics show a second late at most."""
+    every `period_s`: asked each step it cost the step's host ~76 us on an H100's host (torch's
+    `memory_allocated` 70 us, the driver's `mem_get_info` 6 us), and what it reads moves only
+    when memory is taken or given back on the device, which `/memory` and the metrics show a
+    second late at most."""
 
     def __init__(
         self, core: EngineCore, period_s: float = 1.0, clock: Callable[[], float] = time.monotonic
