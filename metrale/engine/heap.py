@@ -19,11 +19,12 @@ from metrale import envs
 logger = logging.getLogger(__name__)
 
 
-def freeze_startup_heap() -> None:
+def freeze_startup_heap() -> bool:
     """Move every object alive now out of the collector's reach, garbage collected first so
-    nothing dead is kept for good (unless METRALE_FREEZE_HEAP=0)."""
+    nothing dead is kept for good; whether it did (not with METRALE_FREEZE_HEAP=0)."""
     if not envs.freeze_heap():
-        return
+        return False
     gc.collect()
     gc.freeze()
     logger.debug("%d objects of the startup heap frozen", gc.get_freeze_count())
+    return True

@@ -49,8 +49,8 @@ class LLM:
         # Out of the collector's sweeps while this engine runs; back in once it is gone, so
         # that a notebook's or a test's next `LLM` does not keep this one's model for good
         # (parts of it hold reference cycles, which only the collector frees).
-        freeze_startup_heap()
-        weakref.finalize(self, gc.unfreeze)
+        if freeze_startup_heap():
+            weakref.finalize(self, gc.unfreeze)
 
     def shutdown(self) -> None:
         """Stop the engine's other tensor-parallel ranks (a no-op at one rank)."""
