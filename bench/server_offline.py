@@ -35,6 +35,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
@@ -79,11 +80,13 @@ def device_steps(url: str) -> tuple[float, int]:
     """The server's engine steps so far: the device's seconds in them and their count (the
     `metrale:engine_step_seconds` histogram's sum and count for the device part)."""
     text = httpx.get(url + "/metrics", timeout=10).text
-    found = {}
-    for line in text.splitlines():
-        if line.startswith("metrale:engine_step_seconds_") and 'part="device"' in line:
-            name, value = line.rsplit(" ", 1)
-            found[name.split("{")[0].removeprefix("metrale:engine_step_seconds_")] = float(value)
+    found = {
+        sample.name.rsplit("_", 1)[1]: sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "metrale:engine_step_seconds"
+        for sample in family.samples
+        if sample.labels.get("part") == "device" and sample.name.endswith(("_sum", "_count"))
+    }
     return found.get("sum", 0.0), int(found.get("count", 0))
 
 

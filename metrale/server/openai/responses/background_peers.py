@@ -24,6 +24,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from metrale.server.errors import APIError
 from metrale.server.stores import RecordStore
 
 logger = logging.getLogger(__name__)
@@ -32,8 +33,15 @@ OWNERS = "background_owner"  # the store's kind for who runs a background respon
 PEER_TIMEOUT_S = 5.0  # for an owner's first answer to a cancel or a follow
 
 
-class PeerUnavailable(Exception):
-    """The API process running a background response did not answer in time."""
+class PeerUnavailable(APIError):
+    """The API process running a background response did not answer in time: a 503."""
+
+    def __init__(self, owner: int) -> None:
+        super().__init__(
+            f"the API process running this response (process {owner}) did not answer in "
+            f"{PEER_TIMEOUT_S:g} s; try again",
+            503,
+        )
 
 
 class BackgroundPeers:
@@ -109,10 +117,7 @@ class BackgroundPeers:
         try:
             return await asyncio.wait_for(socket.recv_multipart(), PEER_TIMEOUT_S)
         except TimeoutError:
-            raise PeerUnavailable(
-                f"the API process running this response (process {owner}) did not answer in "
-                f"{PEER_TIMEOUT_S:g} s; try again"
-            ) from None
+            raise PeerUnavailable(owner) from None
 
     async def cancel(self, owner: int, response_id: str) -> bool:
         """Whether the owner stopped the run; `PeerUnavailable` if it does not answer."""

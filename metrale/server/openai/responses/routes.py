@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator, Awaitable
-from typing import Annotated, Any, Literal, TypeVar
+from collections.abc import AsyncIterator
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
@@ -35,7 +35,7 @@ from metrale.server.generation import admit, engine_error, stream_deltas, until_
 from metrale.server.json_body import JSONResponse
 from metrale.server.openai.pages import item_page
 from metrale.server.openai.responses import records
-from metrale.server.openai.responses.background_peers import PeerUnavailable, stop_run
+from metrale.server.openai.responses.background_peers import stop_run
 from metrale.server.openai.responses.protocol import ResponsesRequest
 from metrale.server.openai.responses.run import ResponseRun
 from metrale.server.openai.responses.translate import ToolSet, chat_request, tool_set
@@ -43,7 +43,6 @@ from metrale.server.protocol import ChatCompletionRequest
 from metrale.server.reply_parts import Event
 from metrale.server.state import ServerState
 
-T = TypeVar("T")
 router = APIRouter()
 Order = Literal["asc", "desc"]
 
@@ -301,7 +300,7 @@ async def get_response(
         events = state.background[response_id][1].follow(starting_after)
     else:  # another API process runs it: its events come from there
         assert state.background_peers is not None
-        events = await _from_peer(state.background_peers.follow(owner, response_id, starting_after))
+        events = await state.background_peers.follow(owner, response_id, starting_after)
     return _event_stream(_frame(event) async for event in events)
 
 
@@ -349,16 +348,8 @@ async def _stop_background(state: ServerState, response_id: str) -> bool:
         return await stop_run(state.background, response_id)
     if owner is not None:
         assert state.background_peers is not None
-        return await _from_peer(state.background_peers.cancel(owner, response_id))
+        return await state.background_peers.cancel(owner, response_id)
     return False
-
-
-async def _from_peer(answer: Awaitable[T]) -> T:
-    """Another API process's answer for a background response it runs, or a 503."""
-    try:
-        return await answer
-    except PeerUnavailable as e:
-        raise APIError(str(e), 503) from None
 
 
 @router.get("/v1/responses/{response_id}/input_items")
