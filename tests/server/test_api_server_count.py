@@ -227,7 +227,9 @@ def test_a_stored_response_is_read_by_the_other_process(two: RunningServer):
         return openai.OpenAI(base_url=two.api_url, api_key="x", max_retries=0, timeout=60)
 
     with _paused(two.process.pid):
-        stored = client().responses.create(model=MODEL_NAME, input="hello", max_output_tokens=8)
+        stored = client().responses.create(  # greedy: a sampled EOS made it "completed"
+            model=MODEL_NAME, input="hello", max_output_tokens=8, temperature=0
+        )
     with _paused(api):
         other = client()
         fetched = other.responses.retrieve(stored.id)
