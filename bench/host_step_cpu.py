@@ -4,9 +4,9 @@ EOS ignored) on a 2-layer Qwen3 of hidden 64 and a vocabulary of 8,192, built he
 `--model` (a directory or a GGUF file) with `--streams` requests. `--sampling` greedy, sampled at
 temperature 0.6, or sampled with every request seeded (B2's sampling).
 
-Prints one JSON line: the median wall ms of a decode step, and ms a step in the engine's parts
-(each timed around its call: scheduling, the runner's input buffers, the sampler's inputs, the
-whole launch with the forward and the sampling, the update).
+Prints one JSON line: the median wall ms of a decode step, and ms a decode step in the engine's
+parts (each timed around its call: scheduling, the runner's input buffers, the sampler's inputs,
+the whole launch with the forward and the sampling, the update; the prefill step's left out).
 
     python bench/host_step_cpu.py [--sampling greedy|sampled|seeded] [--rounds 3]
         [--model PATH --streams 16] [--prompt-len 128 --output-len 64]
@@ -20,6 +20,7 @@ import json
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -79,9 +80,16 @@ def timed_parts() -> collections.Counter:
 
 
 def decode_steps(
-    llm: LLM, streams: int, sampling: str, tag: str, prompt_len: int = 128, output_len: int = 64
+    llm: LLM,
+    streams: int,
+    sampling: str,
+    tag: str,
+    prompt_len: int = 128,
+    output_len: int = 64,
+    prefilled: Callable[[], object] | None = None,
 ) -> list[float]:
-    """Wall seconds of each step after the one that prefills every prompt."""
+    """Wall seconds of each step after the one that prefills every prompt (after which
+    `prefilled` is called)."""
     g = torch.Generator().manual_seed(0)
     for i in range(streams):
         params = SamplingParams(
@@ -92,7 +100,7 @@ def decode_steps(
         )
         prompt = torch.randint(10, 4000, (prompt_len,), generator=g).tolist()
         llm.engine.add_request(EngineRequest(f"{tag}-{i}", prompt, params, 0.0))
-    return timed_decode_steps(llm)
+    return timed_decode_steps(llm, prefilled)
 
 
 def main() -> None:
@@ -118,8 +126,8 @@ def main() -> None:
         seconds = timed_parts()
         rounds = []
         for r in range(args.rounds):
-            seconds.clear()
-            times = decode_steps(llm, args.streams, args.sampling, f"r{r}", *lens)
+            # the parts of the decode steps only: the prefill step's are cleared
+            times = decode_steps(llm, args.streams, args.sampling, f"r{r}", *lens, seconds.clear)
             parts = {k: round(1e3 * v / len(times), 3) for k, v in seconds.items()}
             rounds.append({"step_ms_median": 1e3 * statistics.median(times), "parts_ms": parts})
     model = args.model or "tiny Qwen3"

@@ -18,6 +18,7 @@ import datetime
 import io
 import pstats
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -83,10 +84,12 @@ def decode_steps(llm: LLM, streams: int, tag: str, prompt_len: int = 128) -> lis
     return timed_decode_steps(llm)
 
 
-def timed_decode_steps(llm: LLM) -> list[float]:
+def timed_decode_steps(llm: LLM, prefilled: Callable[[], object] | None = None) -> list[float]:
     """Wall seconds of each step after the next one, which prefills the prompts just added (the
-    engine's prefill budget must hold them all)."""
+    engine's prefill budget must hold them all); `prefilled` is called after that one."""
     llm.engine.step()
+    if prefilled is not None:
+        prefilled()
     times = []
     while llm.engine.has_unfinished_requests():
         start = time.perf_counter()
