@@ -16,6 +16,7 @@ from one host generator.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -34,14 +35,34 @@ def _mix(z: np.ndarray) -> np.ndarray:
     return z ^ (z >> np.uint64(31))
 
 
-def seeded_draws(seeds: Sequence[int], positions: Sequence[int]) -> np.ndarray:
-    """[n, NUM_DRAWS] float64 in [0, 1): row i's draws for seed `seeds[i]` (any int64) at token
-    position `positions[i]`."""
-    keys = _mix(np.array([s % 2**64 for s in seeds], dtype=np.uint64))
-    counters = np.array(positions, dtype=np.uint64)[:, None] * np.uint64(NUM_DRAWS)
+def _keys(seeds: Sequence[int]) -> np.ndarray:
+    return _mix(np.array([s % 2**64 for s in seeds], dtype=np.uint64))
+
+
+def _keyed_draws(keys: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    counters = positions.astype(np.uint64)[:, None] * np.uint64(NUM_DRAWS)
     counters = counters + np.arange(NUM_DRAWS, dtype=np.uint64)
     bits = _mix(keys[:, None] + (counters + np.uint64(1)) * _GAMMA)
     return (bits >> np.uint64(11)).astype(np.float64) * 2.0**-53
+
+
+def seeded_draws(seeds: Sequence[int], positions: Sequence[int]) -> np.ndarray:
+    """[n, NUM_DRAWS] float64 in [0, 1): row i's draws for seed `seeds[i]` (any int64) at token
+    position `positions[i]`."""
+    return _keyed_draws(_keys(seeds), np.array(positions, dtype=np.uint64))
+
+
+@dataclass(frozen=True)
+class Seeds:
+    """A batch's seeds (None: an unseeded row), keyed once for the steps that share them."""
+
+    rows: np.ndarray  # int64, the seeded rows
+    keys: np.ndarray  # uint64, their SplitMix64 keys
+
+    @classmethod
+    def of(cls, seeds: Sequence[int | None]) -> Seeds:
+        rows = [i for i, seed in enumerate(seeds) if seed is not None]
+        return cls(np.array(rows, dtype=np.int64), _keys([seeds[i] for i in rows]))
 
 
 class RandomDraws:
@@ -51,11 +72,15 @@ class RandomDraws:
     def __init__(self, seed: int | None = None) -> None:
         self._rng = np.random.default_rng(seed)
 
-    def fill(self, out: np.ndarray, seeds: Sequence[int | None], positions: Sequence[int]) -> None:
-        """`out[:n]` (a [rows, NUM_DRAWS] float64 array) for the n rows of `seeds` (None:
-        unseeded) sampling the tokens at `positions`."""
-        n = len(seeds)
+    def fill(
+        self, out: np.ndarray, seeds: Seeds | Sequence[int | None], positions: Sequence[int]
+    ) -> None:
+        """`out[:n]` (a [rows, NUM_DRAWS] float64 array) for the n rows sampling the tokens at
+        `positions`, with `seeds` (one per row, None: unseeded)."""
+        n = len(positions)
         out[:n] = self._rng.random((n, NUM_DRAWS))
-        rows = [i for i, seed in enumerate(seeds) if seed is not None]
-        if rows:
-            out[rows] = seeded_draws([seeds[i] for i in rows], [positions[i] for i in rows])
+        if not isinstance(seeds, Seeds):
+            seeds = Seeds.of(seeds)
+        if len(seeds.rows):
+            at = np.array(positions, dtype=np.uint64)[seeds.rows]
+            out[seeds.rows] = _keyed_draws(seeds.keys, at)

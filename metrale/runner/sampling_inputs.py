@@ -10,18 +10,36 @@ not use.
 
 from __future__ import annotations
 
+import operator
+from dataclasses import dataclass, replace
+
 import numpy as np
 import torch
 
 from metrale.engine.step import ScheduledChunk
 from metrale.runner.input_buffers import InputBuffers, to_device
-from metrale.runner.random_draws import RandomDraws
+from metrale.runner.random_draws import NUM_DRAWS, RandomDraws, Seeds
 from metrale.runner.repeat_history import RepeatHistory
 from metrale.runner.repeat_penalties import RepeatPenalties
 from metrale.runner.sampler import Drafts, LogitBias, RandomRows, SamplingMetadata
 from metrale.runner.structured_output import GrammarRows, StructuredOutputs
 from metrale.runner.truncation import Truncation
 from metrale.sampling_params import SamplingParams
+
+_NO_DRAWS = torch.empty(0, NUM_DRAWS, dtype=torch.float64)
+
+
+@dataclass(frozen=True)
+class ParamRows:
+    """What a step's rows' sampling parameters alone give the sampler (`random` without its
+    draws, which follow the rows' positions), kept for the next step with the same rows."""
+
+    params: list[SamplingParams]
+    random: RandomRows | None  # None: every row is greedy
+    seeds: Seeds  # of the seeded rows that draw (not greedy)
+    max_num_logprobs: int | None
+    logit_bias: LogitBias | None
+    truncation: Truncation | None
 
 
 class SamplingInputs:
@@ -48,6 +66,7 @@ class SamplingInputs:
         self.structured_outputs = structured_outputs
         self.repeat_history: RepeatHistory | None = None  # made for the first DRY or LZ request
         self.random_draws = RandomDraws()
+        self._last_rows: ParamRows | None = None  # the last step's, for a step with its rows
 
     def drop(self, request_id: str) -> None:
         """Free a finished request's history slot and grammar matcher."""
@@ -90,16 +109,22 @@ class SamplingInputs:
     ) -> SamplingMetadata:
         """The sampler's inputs for one row per chunk in `chunks`, each sampling the token at
         its position in `positions` (None: the one after the chunk)."""
-        params = [c.sampling_params for c in chunks]
-        logprobs = [p.logprobs for p in params if p.logprobs is not None]
+        rows = self._rows_of([c.sampling_params for c in chunks])
+        random = None
+        if rows.random is not None:
+            if positions is None:
+                positions = [c.start_pos + len(c.token_ids) for c in chunks]
+            b = self.buffers
+            self.random_draws.fill(b.draws.np, rows.seeds, positions)
+            random = replace(rows.random, draws=b.draws.copy_to_device(len(chunks)))
         return SamplingMetadata(
-            random=self._random_rows(chunks, params, positions),
+            random=random,
             banned=[
                 (row, c.banned_token_ids) for row, c in enumerate(chunks) if c.banned_token_ids
             ],
-            max_num_logprobs=max(logprobs) if logprobs else None,
-            logit_bias=self._logit_bias(params),
-            truncation=self._truncation(params),
+            max_num_logprobs=rows.max_num_logprobs,
+            logit_bias=rows.logit_bias,
+            truncation=rows.truncation,
             drafts=drafts,
             penalties=self._penalties(chunks),
             forced=[
@@ -110,16 +135,32 @@ class SamplingInputs:
             **(grammar or {}),
         )
 
-    def _random_rows(
-        self,
-        chunks: list[ScheduledChunk],
-        params: list[SamplingParams],
-        positions: list[int] | None,
-    ) -> RandomRows | None:
-        """The per-row parameters and draws of a batch where some row is not greedy, on the
-        device; None (and nothing copied) when every row is greedy."""
-        greedy = [p.greedy for p in params]
-        if all(greedy):
+    def _rows_of(self, params: list[SamplingParams]) -> ParamRows:
+        """What the rows' sampling parameters alone give the sampler, on the device: the last
+        step's again when its rows had the same parameters in the same order (decodes, step
+        after step), so that such a step copies only its draws."""
+        last = self._last_rows
+        if (
+            last is not None
+            and len(last.params) == len(params)
+            and all(map(operator.is_, last.params, params))
+        ):
+            return last
+        logprobs = [p.logprobs for p in params if p.logprobs is not None]
+        self._last_rows = ParamRows(
+            params=params,
+            random=self._random_params(params),
+            seeds=Seeds.of([None if p.greedy else p.seed for p in params]),
+            max_num_logprobs=max(logprobs) if logprobs else None,
+            logit_bias=self._logit_bias(params),
+            truncation=self._truncation(params),
+        )
+        return self._last_rows
+
+    def _random_params(self, params: list[SamplingParams]) -> RandomRows | None:
+        """The per-row parameters of a batch where some row is not greedy, on the device (the
+        draws still to come); None, and nothing copied, when every row is greedy."""
+        if all(p.greedy for p in params):
             return None
         b = self.buffers
         n = len(params)
@@ -127,18 +168,14 @@ class SamplingInputs:
         b.row_params.np[:n] = [
             (p.temperature, p.top_k or vocab_size, p.top_p, p.min_p) for p in params
         ]
-        if positions is None:
-            positions = [c.start_pos + len(c.token_ids) for c in chunks]
-        seeds = [None if g else p.seed for g, p in zip(greedy, params, strict=True)]
-        self.random_draws.fill(b.draws.np, seeds, positions)
         temperature, top_k, top_p, min_p = b.row_params.copy_to_device(n).unbind(1)
         return RandomRows(
             temperature=temperature,
             top_k=top_k,
             top_p=top_p,
             min_p=min_p,
-            draws=b.draws.copy_to_device(n),
-            any_greedy=any(greedy),
+            draws=_NO_DRAWS,
+            any_greedy=any(p.greedy for p in params),
             any_top_k_or_p=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
             any_min_p=any(p.min_p > 0 for p in params),
         )
