@@ -393,3 +393,62 @@ def test_logprobs_ranks_and_top_logprobs_use_the_raw_logits():
         assert torch.equal(out.top_ids, expected_ids)
         torch.testing.assert_close(out.top_logprobs, expected_top)
     assert seen_ranks > {1, 2}, "random rows also land on lower-ranked tokens"
+
+
+# --- the lm head's 16-bit logits ------------------------------------------------------------
+
+
+def on(meta: SamplingMetadata, device: torch.device) -> SamplingMetadata:
+    random = meta.random
+    if random is not None:
+        random = dataclasses.replace(
+            random,
+            **{
+                f.name: getattr(random, f.name).to(device)
+                for f in dataclasses.fields(random)
+                if isinstance(getattr(random, f.name), torch.Tensor)
+            },
+        )
+    return dataclasses.replace(meta, random=random)
+
+
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+        ],
+    ),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bfloat16_logits_sample_as_their_float32_widening(device: str):
+    """Whether the sampler widens the lm head's bf16 logits first or (a GPU batch of argmaxes and
+    tempered draws) reads them as they are, its tokens and logprobs are those of the widened
+    logits, and the model's logits are never written."""
+    torch.manual_seed(5)
+    vocab = 5000
+    logits = (torch.randn(6, vocab) * 4).to(torch.bfloat16).to(device)
+    original = logits.clone()
+    metas = {
+        "greedy": make_meta([0.0] * 6, vocab),
+        "tempered, a greedy row": make_meta([0.7, 1.0, 0.0, 1.5, 0.3, 1.0], vocab),
+        "top-k and top-p": make_meta([0.7] * 6, vocab, top_k=[5] * 6, top_p=[0.9] * 6),
+        "min-p": make_meta([1.0] * 6, vocab, min_p=[0.05] * 6),
+        "banned": make_meta([0.0, 1.0] * 3, vocab, banned=[(0, (int(logits[0].argmax()),))]),
+        "logprobs": make_meta([0.8] * 6, vocab, max_num_logprobs=3),
+    }
+    for name, meta in metas.items():
+        meta = on(meta, torch.device(device))
+        got = sample(logits, meta)
+        want = sample(logits.float(), meta)
+        assert torch.equal(got.token_ids, want.token_ids), name
+        if meta.max_num_logprobs is not None:
+            assert torch.equal(got.logprobs, want.logprobs), name
+            assert torch.equal(got.top_ids, want.top_ids), name
+        assert torch.equal(logits, original), name
+    banned = sample(logits, on(metas["banned"], torch.device(device))).token_ids
+    assert banned[0] != original[0].argmax()
