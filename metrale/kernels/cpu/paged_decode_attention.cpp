@@ -110,8 +110,11 @@ void attend_rows(const at::Tensor& qc, const at::Tensor& k_cache, const at::Tens
   // lie side by side): the order the memory's prefetchers follow. Reading one KV head at a time
   // strode through the blocks and took 2x the gather + SDPA's time in a real step. The blocks lie
   // wherever the pool had room, which no prefetcher guesses, so the next block's keys and values
-  // are asked for as a block begins: 16-row decode steps over 1,536-token contexts took 10-22%
-  // less, over 128-token prompts 0-10% less (bench/cpu_step_ab.py --prompt-len).
+  // (the row's next block, or the next row's first) are asked for while this block's are read,
+  // a slot's worth with each slot: asked for all at once as a block began (32 KB in float32),
+  // most requests found the core's miss buffers full and the kernel read a cold pool at ~19
+  // GB/s, 3x its time over a warm one; spread, 1.35x it (bench/cpu_step_ab.py: 16-row steps
+  // 1.15-1.39x faster).
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(heads * d), weight(heads * block_size), best(heads), total(heads),
         query(heads * d);
@@ -130,18 +133,37 @@ void attend_rows(const at::Tensor& qc, const at::Tensor& k_cache, const at::Tens
         const int64_t hi = std::min(stop, (b + 1) * block_size) - b * block_size;
         const T* kb = kp + block * block_values;
         const T* vb = vp + block * block_values;
-        if ((b + 1) * block_size < stop) {
-          const int64_t next = bt[i * max_blocks + b + 1];
+        // The block after this one: this row's next, else the next row's first.
+        const T* next_k = nullptr;
+        const T* next_v = nullptr;
+        {
+          int64_t next = -1;
+          if ((b + 1) * block_size < stop) {
+            next = bt[i * max_blocks + b + 1];
+          } else if (i + 1 < end) {
+            const int64_t next_start = window > 0 ? std::max<int64_t>(0, len[i + 1] - window) : 0;
+            next = bt[(i + 1) * max_blocks + next_start / block_size];
+          }
           if (next >= 0 && next < num_blocks) {  // checked again when it is read
-            prefetch(kp + next * block_values, block_values);
-            prefetch(vp + next * block_values, block_values);
+            next_k = kp + next * block_values;
+            next_v = vp + next * block_values;
           }
         }
         for (int64_t t = lo; t < hi; ++t) {
+          if (next_k != nullptr) {  // a slot's worth of the next block a slot: spread, not burst
+            prefetch(next_k + t * slot_stride, slot_stride);
+            prefetch(next_v + t * slot_stride, slot_stride);
+          }
           for (int64_t head = 0; head < heads; ++head) {
             const T* k = kb + t * slot_stride + (head / group) * d;
             weight[head * block_size + t] = s * dot(qi + head * d, k, d);
           }
+        }
+        if (next_k != nullptr) {  // the next block's slots this one has not (a partial block)
+          prefetch(next_k, lo * slot_stride);
+          prefetch(next_v, lo * slot_stride);
+          prefetch(next_k + hi * slot_stride, (block_size - hi) * slot_stride);
+          prefetch(next_v + hi * slot_stride, (block_size - hi) * slot_stride);
         }
         // Per head: the block's new maximum, its slots' weights, and what came before rescaled
         // to that maximum as the block's values are added.
