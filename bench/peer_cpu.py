@@ -19,6 +19,10 @@ CPU guide advises; --llamacpp-python (`pip install 'llama-cpp-python[server]'`),
     python bench/peer_cpu.py --vllm-python /work/peers/vllm/bin/python --vllm-both-cores \\
         --llamacpp-python /work/peers/llamacpp/bin/python [--rounds 3]
 
+With --offline each round also runs Metrale's engine alone on the same requests
+(`offline_streams.py`: no server, no HTTP load), so `metrale_vs["metrale offline"]` is the share
+of its engine's rate the server keeps, and the offline row the most a server change could give.
+
 With --against-env VAR=VALUE[,VAR=VALUE] (or --against-args "FLAGS") the rounds alternate `met
 serve` with `met serve` under those variables (with those flags) instead: a before / after of a
 lever, e.g. METRALE_TCMALLOC=0.
@@ -33,7 +37,9 @@ import datetime
 import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -149,6 +155,34 @@ def commands(model: Path, gguf: Path | None, port: int, args) -> dict[str, list[
     }  # fmt: skip
 
 
+def offline(model: Path, prompts: list[str], args) -> dict[str, dict[str, float]]:
+    """Metrale's engine alone on the round's requests (`offline_streams.py`, a process of its
+    own with tcmalloc preloaded, as `met serve`'s engine runs): what the server would give if
+    its API process and the load cost nothing."""
+    from metrale.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(model)
+    ids = [tokenizer.encode(p, add_special_tokens=False) for p in prompts[: args.requests]]
+    env = dict(os.environ)
+    if (tcmalloc := tcmalloc_library()) is not None:
+        env["LD_PRELOAD"] = tcmalloc
+    row = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "prompts.json"
+        for load_name, count, streams in (("1_stream", 4, 1), ("16_streams", len(ids), 16)):
+            path.write_text(json.dumps(ids[:count]))
+            cmd = [
+                sys.executable, str(ROOT / "offline_streams.py"), "--model", str(model),
+                "--prompts", str(path), "--streams", str(streams), "--output-len",
+                str(OUTPUT_LEN), "--dtype", args.dtype,
+            ]  # fmt: skip
+            out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+            row[load_name] = {
+                "tokens_per_s": json.loads(out.stdout.splitlines()[-1])["tokens_per_s"]
+            }
+    return row
+
+
 def vllm_env(vllm_python: str, both_cores: bool) -> dict[str, str]:
     env = {"VLLM_CPU_KVCACHE_SPACE": "2"}
     if both_cores:
@@ -173,6 +207,11 @@ def main() -> None:
         choices=["float32", "bfloat16"],
         help="what Metrale and vLLM compute in (llama.cpp keeps its float32 GGUF file); vLLM's "
         "own --dtype auto would run this float32 checkpoint in bfloat16",
+    )
+    parser.add_argument(
+        "--offline",
+        action="store_true",
+        help="each round also Metrale's engine alone on the same requests (offline_streams.py)",
     )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument(
@@ -202,7 +241,7 @@ def main() -> None:
     runs: dict[str, list[dict]] = {name: [] for name in envs}
     counted: dict[str, int] = {}
     for r in range(args.rounds):
-        for name in runs:
+        for name in envs:
             port = free_port()
             kind = name.split()[0]
             cmd = commands(model, gguf, port, args)[kind]
@@ -217,6 +256,10 @@ def main() -> None:
                 }
             runs[name].append(row)
             print(name, r, json.dumps(row), flush=True)
+        if args.offline:
+            row = offline(model, prompts, args)
+            runs.setdefault("metrale offline", []).append(row)
+            print("metrale offline", r, json.dumps(row), flush=True)
     medians = {
         name: {
             load_name: {
