@@ -213,7 +213,7 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[logits_indices])
         metadata, first_rows = self.sampling.prepare(sampling_chunks, scheduled.has_drafts)
         self._record_inputs_copied()
-        result = sample(logits, metadata)
+        result = sample(logits.float(), metadata)
         self.sampling.record(metadata, result.token_ids)
         self._last_samples = result.token_ids
         if first_rows is not None:  # each chunk's own row: the first of its rows

@@ -83,10 +83,7 @@ class SamplerOutput:
 
 
 def sample(logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-    """The batch's tokens (and logprobs, where asked). `logits` [num_rows, vocab_size]: fp32, or
-    the lm head's 16-bit dtype, widened to fp32 here unless the batch only reads them (below)."""
-    if logits.dtype != torch.float32 and not _reads_as_they_are(logits, meta):
-        logits = logits.float()
+    # logits: [num_rows, vocab_size] fp32
     raw_logprobs = None
     if meta.max_num_logprobs is not None:
         raw_logprobs = torch.log_softmax(logits, dim=-1)
@@ -101,27 +98,6 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
     ranks = (raw_logprobs > chosen).sum(dim=-1) + 1
     top_logprobs, top_ids = raw_logprobs.topk(meta.max_num_logprobs, dim=-1)
     return SamplerOutput(token_ids, chosen.squeeze(1), ranks, top_ids, top_logprobs)
-
-
-def _reads_as_they_are(logits: torch.Tensor, meta: SamplingMetadata) -> bool:
-    """Whether the batch only takes argmaxes and tempered draws from its logits, on a GPU: the
-    draw's kernel widens 16-bit logits as it reads them (`kernels/inverse_cdf.py`) and an argmax
-    is the same over either width, so the widened copy (a step of 256 rows over a 152k
-    vocabulary writes 155 MB) is skipped. Anything that writes to the logits or takes their
-    softmax widens them first."""
-    if not logits.is_cuda or meta.max_num_logprobs is not None:
-        return False
-    if meta.banned or meta.forced or meta.grammar_bitmask is not None:
-        return False
-    if meta.logit_bias is not None or meta.penalties is not None:
-        return False
-    rows = meta.random
-    return rows is None or (
-        meta.truncation is None
-        and meta.drafts is None
-        and not rows.any_top_k_or_p
-        and not rows.any_min_p
-    )
 
 
 def _draw(logits: torch.Tensor, meta: SamplingMetadata, rows: RandomRows) -> torch.Tensor:
