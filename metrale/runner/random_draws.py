@@ -72,15 +72,13 @@ class RandomDraws:
     def __init__(self, seed: int | None = None) -> None:
         self._rng = np.random.default_rng(seed)
 
-    def fill(
-        self, out: np.ndarray, seeds: Seeds | Sequence[int | None], positions: Sequence[int]
-    ) -> None:
+    def fill(self, out: np.ndarray, seeds: Seeds, positions: Sequence[int]) -> None:
         """`out[:n]` (a [rows, NUM_DRAWS] float64 array) for the n rows sampling the tokens at
-        `positions`, with `seeds` (one per row, None: unseeded)."""
+        `positions`: the seeded rows of `seeds` from their seed, the others from the generator
+        (drawn only when some row is unseeded)."""
         n = len(positions)
-        out[:n] = self._rng.random((n, NUM_DRAWS))
-        if not isinstance(seeds, Seeds):
-            seeds = Seeds.of(seeds)
+        if len(seeds.rows) < n:
+            out[:n] = self._rng.random((n, NUM_DRAWS))
         if len(seeds.rows):
             at = np.array(positions, dtype=np.uint64)[seeds.rows]
             out[seeds.rows] = _keyed_draws(seeds.keys, at)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from metrale.runner.inverse_cdf import inverse_cdf_torch
-from metrale.runner.random_draws import NUM_DRAWS, TOKEN, RandomDraws, seeded_draws
+from metrale.runner.random_draws import NUM_DRAWS, TOKEN, RandomDraws, Seeds, seeded_draws
 from metrale.runner.sampler import RandomRows, SamplingMetadata, _apply_top_k_top_p, sample
 
 
@@ -277,7 +277,7 @@ def seeded_steps(
         logits[row] = row_logits
         out = np.zeros((num_rows, NUM_DRAWS))
         positions = [start + step if r == row else 3 * r + step for r in range(num_rows)]
-        draws.fill(out, batch_seeds, positions)
+        draws.fill(out, Seeds.of(batch_seeds), positions)
         meta = make_meta([1.0] * num_rows, vocab_size, draws=torch.from_numpy(out))
         tokens.append(sample(logits, meta).token_ids[row].item())
     return tokens
@@ -302,7 +302,7 @@ def test_same_seed_in_two_rows_of_one_batch_draws_the_same_tokens():
     firsts, thirds = [], []
     for position in range(10):
         draws = np.zeros((3, NUM_DRAWS))
-        RandomDraws().fill(draws, [5, 5, 6], [position] * 3)
+        RandomDraws().fill(draws, Seeds.of([5, 5, 6]), [position] * 3)
         out = sample(logits.clone(), make_meta([1.0] * 3, 100, draws=torch.from_numpy(draws)))
         assert out.token_ids[0] == out.token_ids[1]
         firsts.append(out.token_ids[0].item())
@@ -332,8 +332,8 @@ def test_seeded_draws_are_uniform_and_independent():
 
 def test_unseeded_rows_draw_afresh_each_fill():
     draws, a, b = RandomDraws(), np.zeros((4, NUM_DRAWS)), np.zeros((4, NUM_DRAWS))
-    draws.fill(a, [None, 3, None, None], [10] * 4)
-    draws.fill(b, [None, 3, None, None], [10] * 4)
+    draws.fill(a, Seeds.of([None, 3, None, None]), [10] * 4)
+    draws.fill(b, Seeds.of([None, 3, None, None]), [10] * 4)
     assert (a[[0, 2, 3]] != b[[0, 2, 3]]).all()
     assert (a[1] == b[1]).all() and (a[1] == seeded_draws([3], [10])[0]).all()
 
