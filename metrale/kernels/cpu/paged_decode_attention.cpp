@@ -82,12 +82,15 @@ inline void accumulate(float* acc, float c, const float* w, const T* v, int64_t 
   }
 }
 
-// Asks for the cache lines of p[0, n) ahead of their use.
+// Asks for the cache lines of p[0, n) ahead of their use, into L2 (prefetcht1), not L1: the block
+// being read (32 KB of keys and values in float32) and the next one fill a 48-64 KB L1, so the
+// next block's lines asked into L1 evicted this block's before their use (a cold pool read at
+// 355 us a layer against 224 into L2; the bandwidth's floor 197-214, bench/cpu_decode_attention.py).
 template <typename T>
 inline void prefetch(const T* p, int64_t n) {
   const char* bytes = reinterpret_cast<const char*>(p);
   for (int64_t j = 0; j < n * static_cast<int64_t>(sizeof(T)); j += 64) {
-    __builtin_prefetch(bytes + j);
+    __builtin_prefetch(bytes + j, 0, 1);
   }
 }
 
