@@ -154,7 +154,14 @@ class EngineClient:
         """Wait until the engine has loaded the model (stopping it if that fails or times out).
         `config`: the flags as this process resolved them; the KV pool's size is the engine's."""
         try:
-            ready = await asyncio.wait_for(self._wait_ready(), startup_timeout_s)
+            # A stop asked for while the caller's startup ran without awaiting (Ctrl-C cancels
+            # the main task) lands here, even with READY already waiting, which is read without
+            # suspending; and `asyncio.timeout`, not `wait_for`, which on Python 3.11 returns a
+            # result that completed as it was cancelled: either way Ctrl-C was lost and the
+            # server went on to serve.
+            await asyncio.sleep(0)
+            async with asyncio.timeout(startup_timeout_s):
+                ready = await self._wait_ready()
         except BaseException:
             await self.shutdown()
             raise

@@ -67,7 +67,8 @@ async def _frames(subscription: Subscription, telemetry: Any) -> AsyncIterator[b
         yield b": metrale events\n\n"
         while True:
             try:
-                event = await asyncio.wait_for(subscription.get(), KEEPALIVE_S)
+                async with asyncio.timeout(KEEPALIVE_S):  # (wait_for can lose a cancel on 3.11)
+                    event = await subscription.get()
             except TimeoutError:
                 yield b": keepalive\n\n"
                 continue

@@ -115,7 +115,8 @@ class BackgroundPeers:
 
     async def _answer_of(self, socket: zmq.asyncio.Socket, owner: int) -> list[bytes]:
         try:
-            return await asyncio.wait_for(socket.recv_multipart(), PEER_TIMEOUT_S)
+            async with asyncio.timeout(PEER_TIMEOUT_S):  # (wait_for can lose a cancel on 3.11)
+                return await socket.recv_multipart()
         except TimeoutError:
             raise PeerUnavailable(owner) from None
 
