@@ -82,10 +82,11 @@ inline void accumulate(float* acc, float c, const float* w, const T* v, int64_t 
   }
 }
 
-// Asks for the cache lines of p[0, n) ahead of their use, into L2 (prefetcht1), not L1: the block
-// being read (32 KB of keys and values in float32) and the next one fill a 48-64 KB L1, so the
-// next block's lines asked into L1 evicted this block's before their use (a cold pool read at
-// 355 us a layer against 224 into L2; the bandwidth's floor 197-214, bench/cpu_decode_attention.py).
+// Asks for the cache lines of p[0, n) ahead of their use, into L2 (prefetcht1), not L1: the
+// block being read (32 KB of keys and values in float32) and the next one fill a 48-64 KB L1,
+// so the next block's lines asked into L1 evicted this block's before their use (a cold pool
+// read at 355 us a layer against 224 into L2, the bandwidth's floor 197-214:
+// bench/cpu_decode_attention.py).
 template <typename T>
 inline void prefetch(const T* p, int64_t n) {
   const char* bytes = reinterpret_cast<const char*>(p);
