@@ -1,8 +1,10 @@
 """Whether a CPU decode step's products are bound by the memory or by the arithmetic: the 33
 products of a step of profile_cpu.py's 33.6M-parameter Llama (qkv, o, gate_up and down for 8
 layers, then the head: 117 MB in float32, 59 MB in bfloat16), each weight its own so they come
-from memory as in a step, at 1, 8, 16 and 128 rows, through oneDNN's prepacked weights (what
-Metrale runs) and F.linear. Beside them, the machine's two rates measured in the same run:
+from memory as in a step, at 1, 8, 16 and 128 rows, through Metrale's panel product (what it runs
+on float32 weights, `kernels/cpu/panel_linear.cpp`; float32 only), oneDNN's prepacked weights
+(what it runs on others) and F.linear. Beside them, the machine's two rates measured in the same
+run:
 
 - the read bandwidth (a sum over 256 MiB), which bounds a step at `bytes / bandwidth`;
 - the product rate at each row count over one weight that stays in the caches (the qkv weight,
@@ -22,6 +24,8 @@ import time
 
 import torch
 import torch.nn.functional as F
+
+from metrale.kernels import cpu_extension
 
 SHAPES = [(1024, 512), (512, 512), (3072, 512), (512, 1536)] * 8 + [(8192, 512)]
 ONEDNN_LAYOUT_ROWS = 256  # as metrale/layers/linear.py lays weights out
@@ -53,6 +57,8 @@ def main() -> None:
     torch.manual_seed(0)
     weights = [torch.randn(o, i, dtype=dtype) * 0.02 for o, i in SHAPES]
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, ONEDNN_LAYOUT_ROWS) for w in weights]
+    with_panels = dtype == torch.float32 and cpu_extension.available()
+    panels = [cpu_extension.pack_panels(w) if with_panels else None for w in weights]
     params = sum(w.numel() for w in weights)
     nbytes = params * weights[0].element_size()
     big = torch.ones(64 * 2**20, dtype=torch.float32)
@@ -63,14 +69,23 @@ def main() -> None:
         f"{bandwidth / 1e9:.1f} GB/s, so the memory floor is {1e3 * nbytes / bandwidth:.2f} ms"
     )
     print(
-        "| rows | oneDNN ms | F.linear ms | cached-weight rate, GFLOP/s | arithmetic floor ms | "
-        "oneDNN / max(floors) |\n|---|---|---|---|---|---|"
+        "| rows | panels ms | oneDNN ms | F.linear ms | cached-weight rate (oneDNN), GFLOP/s | "
+        "arithmetic floor ms | panels / max(floors) | oneDNN / max(floors) |\n"
+        "|---|---|---|---|---|---|---|---|"
     )
     hot, hot_packed = weights[0], packed[0]
     for rows in args.rows:
         xs = {i: torch.randn(rows, i, dtype=dtype) for i in (512, 1536)}
         pairs = [(xs[w.shape[1]], w, p) for w, p in zip(weights, packed, strict=True)]
         step = seconds(lambda pairs=pairs: [onednn(x, p) for x, _, p in pairs])
+        panel_step = float("nan")
+        if with_panels:
+            panel_step = seconds(
+                lambda xs=xs: [
+                    cpu_extension.panel_linear(xs[w.shape[1]], p, None, w.shape[0])
+                    for w, p in zip(weights, panels, strict=True)
+                ]
+            )
         plain = seconds(lambda pairs=pairs: [F.linear(x, w) for x, w, _ in pairs])
         x = xs[512]
         hot_seconds = seconds(lambda x=x: [onednn(x, hot_packed) for _ in range(32)])
@@ -78,8 +93,9 @@ def main() -> None:
         floor = 2 * rows * params / rate
         bound = max(floor, nbytes / bandwidth)
         print(
-            f"| {rows} | {1e3 * step:.2f} | {1e3 * plain:.2f} | {rate / 1e9:.0f} | "
-            f"{1e3 * floor:.2f} | {bound / step:.0%} |"
+            f"| {rows} | {1e3 * panel_step:.2f} | {1e3 * step:.2f} | {1e3 * plain:.2f} | "
+            f"{rate / 1e9:.0f} | {1e3 * floor:.2f} | {bound / panel_step:.0%} | "
+            f"{bound / step:.0%} |"
         )
 
 

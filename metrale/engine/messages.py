@@ -147,6 +147,7 @@ class CPUThreads(msgspec.Struct, frozen=True):
     omp_num_threads: str | None  # the environment's OMP_NUM_THREADS, if set
     allocator: str  # "glibc", or the library LD_PRELOAD puts first (tcmalloc, jemalloc)
     onednn_linear_layers: int  # linear layers multiplying through oneDNN's prepacked weights
+    panel_linear_layers: int = 0  # through Metrale's panel kernel (float32, kernels built)
 
 
 class ForwardInfo(msgspec.Struct, frozen=True):

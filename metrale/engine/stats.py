@@ -161,7 +161,7 @@ def rank_devices(config: EngineConfig) -> list[str]:
 
 
 def cpu_threads(model: torch.nn.Module) -> CPUThreads:
-    """This process's CPU threads, its allocator and its oneDNN layers."""
+    """This process's CPU threads, its allocator and its packed linear layers."""
     from metrale.layers.linear import Linear
 
     return CPUThreads(
@@ -172,6 +172,9 @@ def cpu_threads(model: torch.nn.Module) -> CPUThreads:
         allocator=preloaded_allocator(),
         onednn_linear_layers=sum(
             1 for m in model.modules() if isinstance(m, Linear) and m.onednn is not None
+        ),
+        panel_linear_layers=sum(
+            1 for m in model.modules() if isinstance(m, Linear) and m.panels is not None
         ),
     )
 
@@ -191,7 +194,9 @@ def _kernels(core: EngineCore) -> dict[str, str]:
             "prompt chunks: torch scaled_dot_product_attention over the gathered paged KV"
         )
     layers = [m for m in core.runner.model.modules() if isinstance(m, Linear)]
-    if any(m.onednn is not None for m in layers):
+    if any(m.panels is not None for m in layers):
+        kernels["linear"] = "metrale_cpu panel_linear, float32 weights packed in column panels"
+    elif any(m.onednn is not None for m in layers):
         kernels["linear"] = "oneDNN, weights prepacked in its layout"
     if core.runner.compiled is not None:
         packed = sum(m.decode_packed is not None for m in layers)
@@ -200,7 +205,7 @@ def _kernels(core: EngineCore) -> dict[str, str]:
             f"({packed} of {len(layers)} layers), inductor's streamed reduction elsewhere"
             if packed
             else "; compiled one-row steps: inductor's streamed reduction over the dense weight"
-        ) + "; compiled steps of several rows: oneDNN, called from the graph"
+        ) + "; compiled steps of several rows: the packed product, called from the graph"
     return kernels
 
 

@@ -13,6 +13,11 @@ ops (`metrale_cpu::*`) eager code and compiled graphs call as they are:
   with an online softmax, for the eager steps of several decodes (`torch_backend.py`), which
   otherwise gather every row's blocks into a padded copy and then run SDPA over it, and for the
   compiled steps of several rows.
+- `panel_linear`: float32 products of several rows (a decode step of several streams, a prompt's
+  chunk) over a weight packed in panels of output columns (`pack_panels`, layers/linear.py),
+  each panel streamed from memory once with its next rows prefetched: 2-16 rows of peers.md's
+  33.6M Llama 1.15-1.9x oneDNN's prepacked product (bench/cpu_products.py), which reads the
+  weights at ~2/3 of the bandwidth at those sizes.
 - `store_kv`: a compiled decode step's keys and values written to their slots of the pool, one
   call a layer (the torch formula's two `index_copy_` through views took 37-54 us a call, most
   of it dispatch).
@@ -121,6 +126,7 @@ def available() -> bool:
         torch.library.register_fake("metrale_cpu::packed_gemv")(_fake_gemv)
         torch.library.register_fake("metrale_cpu::paged_decode_attention")(_fake_attention)
         torch.library.register_fake("metrale_cpu::store_kv")(_fake_store)
+        torch.library.register_fake("metrale_cpu::panel_linear")(_fake_panel_linear)
         _traceable = True
     return True
 
@@ -164,6 +170,11 @@ def _fake_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_
     return q.new_empty(q.shape)
 
 
+def _fake_panel_linear(x, panels, bias, n):
+    """The op's output, for tracing: [rows of x, n]."""
+    return x.new_empty((x.shape[0], n))
+
+
 def _fake_store(kv, layer, slot_mapping, k, v):
     """The op's output, for tracing: none (it writes the pool)."""
     return None
@@ -174,6 +185,19 @@ def packed_gemv(
 ) -> torch.Tensor:
     """x [1, K] float32 @ dequant(weight).T, the weight's parts as `PackedWeight` holds them."""
     return torch.ops.metrale_cpu.packed_gemv(x, qweight, scales, mins, FORMAT_IDS[fmt])
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """A float32 weight [N, K] as `panel_linear` reads it: [ceil(N / L), K, L], L the machine's
+    float32 lanes, panel p's row k the weights of columns p * L ... p * L + L - 1 at input k."""
+    return torch.ops.metrale_cpu.pack_panels(weight.detach().contiguous())
+
+
+def panel_linear(
+    x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, n: int
+) -> torch.Tensor:
+    """x float32 [rows, K] @ W.T (+ bias) for W [n, K] packed by `pack_panels`: [rows, n]."""
+    return torch.ops.metrale_cpu.panel_linear(x, panels, bias, n)
 
 
 def paged_decode_attention(

@@ -1,6 +1,7 @@
 """Linear layers whose one-row products can run the Triton `gemv` kernel (GPU), whose weight can
 stay in a GGUF quantized format (`PackedWeight`, `--quantization gguf`), and which on a CPU
-multiply through oneDNN with the weight in its own layout (`prepack_for_cpu`).
+multiply through Metrale's panel kernel (float32) or oneDNN with the weight in their own layout
+(`prepack_for_cpu`).
 
 Under tensor parallelism the layers know their split (`distributed/sharding.py`): a
 column-parallel layer holds its rank's output features and gives them on unreduced, a
@@ -82,9 +83,9 @@ def streamed_product(
 def compiled_product(layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """A product inside a compiled CPU decode step. One row reads the layer's packed GGUF copy
     where it has one (`decode_packed`, read by `kernels/cpu_extension.py`), else streams its
-    dense weight; several rows (or a layer with neither) go through oneDNN's prepacked weight,
-    as eager steps do. (In a graph of several rows the row count is a symbol known to be 2 or
-    more, so the test of one row costs no guard.)"""
+    dense weight; several rows (or a layer with neither) go through the layer's packed weight, as
+    eager steps do: Metrale's panels (float32), else oneDNN's layout. (In a graph of several rows
+    the row count is a symbol known to be 2 or more, so the test of one row costs no guard.)"""
     if x.shape[0] == 1 and layer.decode_packed is not None:
         from metrale.kernels.cpu_extension import packed_gemv
 
@@ -92,9 +93,21 @@ def compiled_product(layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) 
         return out if bias is None else out + bias
     if x.shape[0] == 1 and layer.weight is not None:
         return streamed_product(x, layer.weight, bias)
+    if layer.panels is not None:
+        return torch.ops.metrale_cpu.panel_linear(x, layer.panels, bias, layer.out_features)
     if layer.onednn_id is not None:
         return torch.ops.metrale.onednn_linear(x, layer.onednn_id, bias)
     return F.linear(x, layer.weight, bias)
+
+
+def _panel_product(
+    x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, n: int
+) -> torch.Tensor:
+    """x [..., K] @ W.T (+ bias) over W's panels: [..., n]."""
+    if x.dim() == 2:
+        return torch.ops.metrale_cpu.panel_linear(x, panels, bias, n)
+    out = torch.ops.metrale_cpu.panel_linear(x.reshape(-1, x.shape[-1]), panels, bias, n)
+    return out.view(*x.shape[:-1], n)
 
 
 # oneDNN's product as an op a compiled graph calls as it is. Inductor lowers its own oneDNN
@@ -127,35 +140,50 @@ ONEDNN_LAYOUT_ROWS = 256
 
 
 def prepack_for_cpu(model: nn.Module, keep_dense: bool = False) -> int:
-    """Give every dense `Linear` of a CPU model its weight in oneDNN's layout, the dense copy
-    dropped unless `keep_dense` (compiled one-row decode steps stream it; a layer with a
-    `decode_packed` copy reads that instead); the number of layers prepacked (0 where oneDNN is
-    absent or METRALE_ONEDNN=0).
+    """Give every dense `Linear` of a CPU model its weight in the layout its products read, the
+    dense copy dropped unless `keep_dense` (compiled one-row decode steps stream it; a layer with
+    a `decode_packed` copy reads that instead); the number of layers packed (0 with
+    METRALE_ONEDNN=0, which keeps torch's own products).
+
+    A float32 weight goes into panels of output columns for Metrale's C++ product
+    (`kernels/cpu/panel_linear.cpp`) where the CPU kernels build: 2-16 rows (decode steps of
+    several streams) of peers.md's 33.6M Llama 1.15-1.9x oneDNN's product over its own layout,
+    which reads the weights at ~2/3 of the bandwidth at those sizes (bench/cpu_products.py).
+    Others (bfloat16, float16, or no kernels: METRALE_CPU_KERNELS=0) go into oneDNN's layout.
 
     torch's CPU products of one row run on one core (bench/profile_cpu.py: 33.6M-parameter
     Llama, fp32, 2 cores: a decode step's products read 13 GB/s of the machine's 27-40); through
     oneDNN's prepacked weights the same bench's decode steps run 1.78x faster at one stream and
     1.84x at sixteen (METRALE_ONEDNN=0 against 1), with the same greedy tokens."""
-    if not (envs.onednn() and torch.backends.mkldnn.is_available()):
+    if not envs.onednn():
         return 0
-    layers = [
-        m
-        for m in model.modules()
+    from metrale.kernels import cpu_extension
+
+    panels = cpu_extension.enabled()
+    onednn = torch.backends.mkldnn.is_available()
+    packed = 0
+    for layer in model.modules():
         # fused layers run the Triton kernels (on a CPU: the interpreter's tests of them)
-        if isinstance(m, Linear)
-        and m.weight is not None
-        and not m.fused
-        and m.weight.device.type == "cpu"
-    ]
-    for layer in layers:
-        layer.onednn_pack_(keep_dense and layer.decode_packed is None)
-    return len(layers)
+        if not isinstance(layer, Linear) or layer.weight is None or layer.fused:
+            continue
+        if layer.weight.device.type != "cpu":
+            continue
+        keep = keep_dense and layer.decode_packed is None
+        if panels and layer.weight.dtype == torch.float32:
+            layer.panel_pack_(keep)
+        elif onednn:
+            layer.onednn_pack_(keep)
+        else:
+            continue
+        packed += 1
+    return packed
 
 
 class Linear(nn.Linear):
     """`fused`: one-row inputs take `gemv` (see `linear`), and a packed weight the quantized
-    kernels (see `packed_linear`). `onednn`: the weight in oneDNN's layout (`prepack_for_cpu`);
-    then `weight` is None unless compiled steps read it. `decode_packed`: on a CPU serving a
+    kernels (see `packed_linear`). `panels` or `onednn`: the weight in the layout of Metrale's
+    CPU product or of oneDNN's (`prepack_for_cpu`); then `weight` is None unless compiled steps
+    read it. `decode_packed`: on a CPU serving a
     GGUF file dequantized, the file's packed blocks of the weight too, which compiled one-row
     decode steps read (`compiled_product`), a fraction of the dense weight's bytes."""
 
@@ -168,11 +196,17 @@ class Linear(nn.Linear):
         self.onednn: torch.Tensor | None = None
         self.decode_packed: PackedWeight | None = None
         self.onednn_id: int | None = None  # `onednn`'s number for compiled graphs
+        self.panels: torch.Tensor | None = None
 
     @property
     def compiles(self) -> bool:
         """Whether a compiled CPU step can run this layer's product (`compiled_product`)."""
-        return self.weight is not None or self.decode_packed is not None or self.onednn is not None
+        return (
+            self.weight is not None
+            or self.decode_packed is not None
+            or self.onednn is not None
+            or self.panels is not None
+        )
 
     def pack_(self, fmt: str) -> None:
         """Give up the dense weight for a packed one of `fmt`, to be filled by loading."""
@@ -194,15 +228,33 @@ class Linear(nn.Linear):
             del self.weight
             self.register_parameter("weight", None)
 
+    def panel_pack_(self, keep_dense: bool = False) -> None:
+        """The float32 weight in panels of output columns (`cpu_extension.pack_panels`), the
+        dense one dropped unless `keep_dense` (as `onednn_pack_`)."""
+        from metrale.kernels import cpu_extension
+
+        self.panels = cpu_extension.pack_panels(self.weight)
+        if not keep_dense:
+            del self.weight
+            self.register_parameter("weight", None)
+
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        if self.onednn is not None and self.weight is None:  # read back out of oneDNN's layout
+        if self.weight is not None:
+            return
+        if self.onednn is not None:  # read back out of oneDNN's layout
             destination[prefix + "weight"] = self.onednn.to_dense()
+        elif self.panels is not None:  # [P, K, L] -> [P * L, K], the padding cut off
+            p, k, lanes = self.panels.shape
+            dense = self.panels.transpose(1, 2).reshape(p * lanes, k)
+            destination[prefix + "weight"] = dense[: self.out_features].clone()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # `product`'s body inlined: the hot path of every unsplit layer, one call fewer
         if torch.compiler.is_compiling() and self.compiles:  # a compiled CPU step
             return compiled_product(self, x, self.bias)
+        if self.panels is not None:
+            return _panel_product(x, self.panels, self.bias, self.out_features)
         if self.onednn is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.onednn, self.bias, "none", [], "")
         if self.packed is not None:
@@ -213,6 +265,8 @@ class Linear(nn.Linear):
         """x @ weight.T (+ `bias`), this rank's part only."""
         if torch.compiler.is_compiling() and self.compiles:  # a compiled CPU step
             return compiled_product(self, x, bias)
+        if self.panels is not None:
+            return _panel_product(x, self.panels, bias, self.out_features)
         if self.onednn is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.onednn, bias, "none", [], "")
         if self.packed is not None:

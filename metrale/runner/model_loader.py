@@ -91,8 +91,9 @@ def load_model(
 
     quantization="gguf": the linear layers whose GGUF weights are Q8_0, Q4_0 or Q4_1 keep them
     packed (`PackedWeight`); every other tensor is dequantized to `dtype` as by default. On a
-    CPU the linear layers get oneDNN's layout, and with `keep_dense_weights` keep the dense one
-    too (compiled decode steps read it)."""
+    CPU the linear layers get their products' layout (`prepack_for_cpu`: Metrale's panels or
+    oneDNN's), and with `keep_dense_weights` keep the dense one too (compiled decode steps read
+    it)."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization={quantization!r}: use gguf or leave it out")
     cls = model_class_for(config.architecture)
@@ -127,7 +128,7 @@ def load_model(
         logger.info("one-row decode steps read %d linear layers' GGUF blocks packed", copies)
     if device.type == "cpu":
         packed = prepack_for_cpu(model, keep_dense=keep_dense_weights)
-        logger.debug("oneDNN: %d linear layers prepacked", packed)
+        logger.debug("%d linear layers packed for their CPU products", packed)
     return model.eval().requires_grad_(False)
 
 

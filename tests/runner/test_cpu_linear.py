@@ -1,6 +1,8 @@
-"""On a CPU the loader prepacks every dense linear layer for oneDNN (`prepack_for_cpu`): the dense
-weight is dropped, `state_dict` still gives it back, a tied head keeps the embedding, and the
-products equal torch's own to float32 rounding, so the greedy tokens do not change."""
+"""On a CPU the loader packs every dense linear layer for the product its rows go through
+(`prepack_for_cpu`): a float32 weight into panels for Metrale's kernel where the CPU kernels
+build, any other (or with METRALE_CPU_KERNELS=0) into oneDNN's layout. The dense weight is
+dropped, `state_dict` still gives it back, a tied head keeps the embedding, and the products
+equal torch's own to float32 rounding, so the greedy tokens do not change."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import torch
 
 from metrale import LLM, SamplingParams
 from metrale.config import ModelConfig
+from metrale.kernels import cpu_extension
 from metrale.layers.linear import Linear
 from metrale.runner.model_loader import load_model
 from tests.conftest import build_checkpoint
@@ -17,32 +20,69 @@ pytestmark = pytest.mark.skipif(
     not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN"
 )
 CPU = torch.device("cpu")
+# METRALE_ONEDNN=0: torch's own products; METRALE_CPU_KERNELS=0: oneDNN's; neither: the panels
+# (float32, where the kernels build)
+PRODUCTS = {
+    "torch": {"METRALE_ONEDNN": "0"},
+    "onednn": {"METRALE_CPU_KERNELS": "0"},
+    "panels": {},
+}
 
 
 def linears(model: torch.nn.Module) -> list[Linear]:
     return [m for m in model.modules() if isinstance(m, Linear)]
 
 
+def layout(model: torch.nn.Module) -> str:
+    """Which product every linear layer of `model` runs (one for all of them)."""
+    kinds = {
+        "panels" if m.panels is not None else "onednn" if m.onednn is not None else "torch"
+        for m in linears(model)
+    }
+    assert len(kinds) == 1, kinds
+    assert all((m.weight is None) == (kinds != {"torch"}) for m in linears(model))
+    return kinds.pop()
+
+
+def expected(products: str, dtype: torch.dtype) -> str:
+    if products == "panels" and (dtype != torch.float32 or not cpu_extension.enabled()):
+        return "onednn"
+    return products
+
+
+@pytest.mark.parametrize("products", ["panels", "onednn"])
 @pytest.mark.parametrize("tied", [False, True])
-def test_loaded_on_cpu_every_linear_layer_is_prepacked(tmp_path, tied, monkeypatch) -> None:
+def test_loaded_on_cpu_every_linear_layer_is_packed(tmp_path, tied, products, monkeypatch) -> None:
     model_dir = build_checkpoint(tmp_path, "qwen2", tie_word_embeddings=tied)  # biases too
     config = ModelConfig.from_dir(model_dir)
+    for name, value in PRODUCTS[products].items():
+        monkeypatch.setenv(name, value)
     model = load_model(model_dir, config, dtype=torch.float32, device=CPU, progress=False)
-    assert all(m.onednn is not None and m.weight is None for m in linears(model))
-    assert model.model.embed_tokens.weight is not None  # a tied head's prepacking keeps it
+    assert layout(model) == expected(products, torch.float32)
+    assert model.model.embed_tokens.weight is not None  # a tied head's packing keeps it
     monkeypatch.setenv("METRALE_ONEDNN", "0")
     plain = load_model(model_dir, config, dtype=torch.float32, device=CPU, progress=False)
-    assert all(m.onednn is None and m.weight is not None for m in linears(plain))
+    assert layout(plain) == "torch"
     assert ("lm_head.weight" in dict(plain.named_parameters())) != tied  # tied: one parameter
     ours, theirs = model.state_dict(), plain.state_dict()
     assert ours.keys() == theirs.keys()
     for name, tensor in theirs.items():
         assert torch.equal(ours[name], tensor), name
-    for rows in (1, 5, 300):
+    for rows in (1, 5, 17, 300):
         x = torch.randn(rows, config.hidden_size)
+        batched = torch.randn(2, 3, config.hidden_size)
         for a, b in zip(linears(model), linears(plain), strict=True):
             if a.in_features == config.hidden_size:
                 torch.testing.assert_close(a(x), b(x), rtol=1e-5, atol=1e-5)
+                # a batch of sequences [batch, tokens, features] as well as rows
+                torch.testing.assert_close(a(batched), b(batched), rtol=1e-5, atol=1e-5)
+
+
+def test_a_bfloat16_model_goes_through_onednn(tmp_path) -> None:
+    model_dir = build_checkpoint(tmp_path, "llama")
+    config = ModelConfig.from_dir(model_dir)
+    model = load_model(model_dir, config, dtype=torch.bfloat16, device=CPU, progress=False)
+    assert layout(model) == "onednn"
 
 
 def test_greedy_tokens_are_those_of_torchs_products(tmp_path, monkeypatch) -> None:
@@ -50,10 +90,12 @@ def test_greedy_tokens_are_those_of_torchs_products(tmp_path, monkeypatch) -> No
     prompts = [list(range(10, 40)), list(range(50, 57))]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     runs = []
-    for flag in ("1", "0"):
-        monkeypatch.setenv("METRALE_ONEDNN", flag)
-        llm = LLM(model_from_path=str(model_dir), dtype="float32")
-        prepacked = all(m.onednn is not None for m in linears(llm.engine.runner.model))
-        assert prepacked == (flag == "1")
-        runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
-    assert runs[0] == runs[1]
+    for products in ("panels", "onednn", "torch"):
+        with monkeypatch.context() as env:
+            for name, value in PRODUCTS[products].items():
+                env.setenv(name, value)
+            llm = LLM(model_from_path=str(model_dir), dtype="float32")
+            assert layout(llm.engine.runner.model) == expected(products, torch.float32)
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+        runs.append([o.outputs[0].token_ids for o in outputs])
+    assert runs[0] == runs[1] == runs[2]

@@ -1,0 +1,83 @@
+"""The CPU product over panels of output columns (`kernels/cpu/panel_linear.cpp`): x @ W.T (+ bias)
+equals a float64 product to float32 rounding at every row count its two kernels and their row
+groups split differently (one panel at a time up to one group of rows, pairs of panels past it,
+a last partial group), at widths with a partial last panel and an odd panel count, on rows of
+any stride; packing is exact and reversible; inputs it cannot read are errors, not wrong numbers.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from metrale.kernels import cpu_extension
+from tests.conftest import needs_cpu_kernels
+
+pytestmark = needs_cpu_kernels
+
+
+@pytest.fixture(autouse=True)
+def built():
+    assert cpu_extension.available()
+
+
+def lanes() -> int:
+    return torch.ops.metrale_cpu.panel_lanes()
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    out = x.double() @ w.double().T
+    return (out if bias is None else out + bias.double()).float()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 7, 12, 13, 16, 17, 24, 25, 40, 300])
+@pytest.mark.parametrize("n, k", [(1000, 300), (48, 64), (8, 5), (3, 17)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_equals_the_product_to_float32_rounding(rows, n, k, with_bias) -> None:
+    torch.manual_seed(rows * 1000 + n + k)
+    w = torch.randn(n, k)
+    x = torch.randn(rows, k)
+    bias = torch.randn(n) if with_bias else None
+    panels = cpu_extension.pack_panels(w)
+    out = cpu_extension.panel_linear(x, panels, bias, n)
+    assert out.shape == (rows, n) and out.dtype == torch.float32
+    # sums of k products of unit normals: float32 rounding grows with sqrt(k) * |terms|
+    torch.testing.assert_close(out, reference(x, w, bias), rtol=1e-5, atol=2e-5 * k**0.5)
+
+
+def test_panels_hold_the_weight_by_columns_and_zero_padding() -> None:
+    w = torch.arange(21 * 5, dtype=torch.float32).view(21, 5)
+    panels = cpu_extension.pack_panels(w)
+    width = lanes()
+    count = -(-21 // width)
+    assert panels.shape == (count, 5, width)
+    dense = panels.transpose(1, 2).reshape(count * width, 5)
+    assert torch.equal(dense[:21], w)
+    assert not dense[21:].any()
+
+
+def test_rows_of_any_stride() -> None:
+    w = torch.randn(40, 32)
+    wide = torch.randn(6, 64)
+    x = wide[:, ::2]  # every other column: rows not contiguous
+    out = cpu_extension.panel_linear(x, cpu_extension.pack_panels(w), None, 40)
+    torch.testing.assert_close(out, reference(x, w, None), rtol=1e-5, atol=1e-4)
+
+
+def test_no_rows_give_an_empty_product() -> None:
+    w = torch.randn(40, 32)
+    out = cpu_extension.panel_linear(torch.empty(0, 32), cpu_extension.pack_panels(w), None, 40)
+    assert out.shape == (0, 40)
+
+
+def test_inputs_it_cannot_read_are_errors() -> None:
+    w = torch.randn(40, 32)
+    panels = cpu_extension.pack_panels(w)
+    with pytest.raises(RuntimeError, match="x must be float32"):
+        cpu_extension.panel_linear(torch.randn(2, 32, dtype=torch.bfloat16), panels, None, 40)
+    with pytest.raises(RuntimeError, match="panels must be"):
+        cpu_extension.panel_linear(torch.randn(2, 31), panels, None, 40)
+    with pytest.raises(RuntimeError, match="is not in"):
+        cpu_extension.panel_linear(torch.randn(2, 32), panels, None, 400)
+    with pytest.raises(RuntimeError, match="bias must be"):
+        cpu_extension.panel_linear(torch.randn(2, 32), panels, torch.randn(39), 40)
