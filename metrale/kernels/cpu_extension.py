@@ -16,7 +16,7 @@ ops (`metrale_cpu::*`) eager code and compiled graphs call as they are:
 - `panel_linear`: float32 products of several rows (a decode step of several streams, a prompt's
   chunk) over a weight packed in panels of output columns (`pack_panels`, layers/linear.py),
   each panel streamed from memory once with its next rows prefetched: 2-16 rows of peers.md's
-  33.6M Llama 1.15-1.9x oneDNN's prepacked product (bench/cpu_products.py), which reads the
+  33.6M Llama 1.4-1.6x oneDNN's prepacked product (bench/cpu_products.py), which reads the
   weights at ~2/3 of the bandwidth at those sizes.
 - `store_kv`: a compiled decode step's keys and values written to their slots of the pool, one
   call a layer (the torch formula's two `index_copy_` through views took 37-54 us a call, most

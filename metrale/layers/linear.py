@@ -147,7 +147,7 @@ def prepack_for_cpu(model: nn.Module, keep_dense: bool = False) -> int:
 
     A float32 weight goes into panels of output columns for Metrale's C++ product
     (`kernels/cpu/panel_linear.cpp`) where the CPU kernels build: 2-16 rows (decode steps of
-    several streams) of peers.md's 33.6M Llama 1.15-1.9x oneDNN's product over its own layout,
+    several streams) of peers.md's 33.6M Llama 1.4-1.6x oneDNN's product over its own layout,
     which reads the weights at ~2/3 of the bandwidth at those sizes (bench/cpu_products.py).
     Others (bfloat16, float16, or no kernels: METRALE_CPU_KERNELS=0) go into oneDNN's layout.
 

@@ -1,8 +1,9 @@
 """The CPU product over panels of output columns (`kernels/cpu/panel_linear.cpp`): x @ W.T (+ bias)
-equals a float64 product to float32 rounding at every row count its two kernels and their row
-groups split differently (one panel at a time up to one group of rows, pairs of panels past it,
-a last partial group), at widths with a partial last panel and an odd panel count, on rows of
-any stride; packing is exact and reversible; inputs it cannot read are errors, not wrong numbers.
+equals a float64 product to float32 rounding at every row count its kernels and their row groups
+split differently (one panel at a time up to one group of rows, several panels a pass past it, a
+last partial group), at widths with a partial last panel inside a pass of several and alone, and
+panel counts that several do not divide, on rows of any stride; packing is exact and
+reversible; inputs it cannot read are errors, not wrong numbers.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> to
 
 
 @pytest.mark.parametrize("rows", [1, 2, 7, 12, 13, 16, 17, 24, 25, 40, 300])
-@pytest.mark.parametrize("n, k", [(1000, 300), (48, 64), (8, 5), (3, 17)])
+@pytest.mark.parametrize("n, k", [(1000, 300), (59, 33), (48, 64), (8, 5), (3, 17)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_equals_the_product_to_float32_rounding(rows, n, k, with_bias) -> None:
     torch.manual_seed(rows * 1000 + n + k)

@@ -8,7 +8,7 @@
 // the next rows of the panel are prefetched into L2 as they go. oneDNN's product for a few rows
 // reads the weights at about 2/3 of the machine's bandwidth; this one at or above the read
 // bandwidth measured by a copy (bench/cpu_products.py: 2-16 rows of peers.md's 33.6M Llama,
-// 1.15-1.9x oneDNN's prepacked product). The sums run over k in order, as oneDNN's do.
+// 1.4-1.6x oneDNN's prepacked product). The sums run over k in order, as oneDNN's do.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -31,7 +31,10 @@ namespace {
 using Reg = __m512;
 constexpr int64_t kLanes = 16;
 constexpr int kGroupRows = 16;  // 16 sums, the weights and a broadcast in 32 registers
-constexpr int kPairRows = 12;   // two panels: 24 sums
+// Past one group of rows, 4 panels a pass over groups of 6 rows (24 sums; 3 x 8 and 2 x 12
+// measured no faster on prompt chunks of 64-256 rows)
+constexpr int kWide = 4;
+constexpr int kWideRows = 6;
 inline Reg zero() { return _mm512_setzero_ps(); }
 inline Reg load(const float* p) { return _mm512_loadu_ps(p); }
 inline Reg fma(float x, Reg w, Reg acc) { return _mm512_fmadd_ps(_mm512_set1_ps(x), w, acc); }
@@ -43,7 +46,8 @@ inline Reg add(Reg a, Reg b) { return _mm512_add_ps(a, b); }
 using Reg = __m256;
 constexpr int64_t kLanes = 8;
 constexpr int kGroupRows = 12;  // 16 registers
-constexpr int kPairRows = 6;
+constexpr int kWide = 2;
+constexpr int kWideRows = 6;
 inline Reg zero() { return _mm256_setzero_ps(); }
 inline Reg load(const float* p) { return _mm256_loadu_ps(p); }
 inline Reg fma(float x, Reg w, Reg acc) { return _mm256_fmadd_ps(_mm256_set1_ps(x), w, acc); }
@@ -57,7 +61,8 @@ inline Reg add(Reg a, Reg b) { return _mm256_add_ps(a, b); }
 #else
 constexpr int64_t kLanes = 8;
 constexpr int kGroupRows = 8;
-constexpr int kPairRows = 4;
+constexpr int kWide = 2;
+constexpr int kWideRows = 4;
 struct Reg {
   float v[kLanes];
 };
@@ -89,77 +94,52 @@ inline Reg add(Reg a, Reg b) {
 // nearer ones arrived late, measured at 2-16 rows of x.
 constexpr int64_t kPrefetchRows = 128;
 
-// out[m, 0:cols] = xt[:, m] . panel (+ bias) for the `rows` (a template argument: its sums live
-// in registers) rows of one group; xt is the group's x transposed, [K][rows].
-template <int rows>
+// out[m, 0:cols] = xt[:, m] . W (+ bias) over `width` adjacent panels (cols of their columns)
+// for the `rows` rows of one group, both template arguments: the rows x width sums live in
+// registers. xt is the group's x transposed, [K][rows]; with width > 1 each broadcast of x feeds
+// `width` products, for x of more rows than one group, where the arithmetic bounds the time.
+template <int rows, int width>
 void panel_rows(const float* __restrict xt, const float* __restrict panel, int64_t K,
                 float* __restrict out, int64_t ldo, int64_t cols, const float* bias,
                 bool prefetch) {
-  Reg acc[rows];
+  Reg acc[width][rows];
+#pragma GCC unroll 4
+  for (int j = 0; j < width; ++j)
 #pragma GCC unroll 16
-  for (int m = 0; m < rows; ++m) acc[m] = zero();
+    for (int m = 0; m < rows; ++m) acc[j][m] = zero();
   for (int64_t k = 0; k < K; ++k) {
-    if (prefetch) __builtin_prefetch(panel + (k + kPrefetchRows) * kLanes, 0, 2);
-    const Reg w = load(panel + k * kLanes);
+    Reg w[width];
+#pragma GCC unroll 4
+    for (int j = 0; j < width; ++j) {
+      const float* at = panel + (j * K + k) * kLanes;
+      if (prefetch) __builtin_prefetch(at + kPrefetchRows * kLanes, 0, 2);
+      w[j] = load(at);
+    }
     const float* xk = xt + k * rows;
 #pragma GCC unroll 16
-    for (int m = 0; m < rows; ++m) acc[m] = fma(xk[m], w, acc[m]);
+    for (int m = 0; m < rows; ++m)
+#pragma GCC unroll 4
+      for (int j = 0; j < width; ++j) acc[j][m] = fma(xk[m], w[j], acc[j][m]);
   }
-  const Reg b = bias == nullptr ? zero() : load_part(bias, cols);
+#pragma GCC unroll 4
+  for (int j = 0; j < width; ++j) {
+    const int64_t n = std::min<int64_t>(kLanes, cols - j * kLanes);
+    const Reg b = bias == nullptr ? zero() : load_part(bias + j * kLanes, n);
 #pragma GCC unroll 16
-  for (int m = 0; m < rows; ++m) store_part(out + m * ldo, add(acc[m], b), cols);
-}
-
-// The same over two adjacent panels (2 * kLanes columns, all of them real): each broadcast of x
-// feeds two products, for x of more rows than one group, where the arithmetic bounds the time.
-template <int rows>
-void panel_pair_rows(const float* __restrict xt, const float* __restrict panel, int64_t K,
-                     float* __restrict out, int64_t ldo, int64_t cols, const float* bias,
-                     bool prefetch) {
-  const float* __restrict next = panel + K * kLanes;
-  Reg acc[rows], acc2[rows];
-#pragma GCC unroll 16
-  for (int m = 0; m < rows; ++m) acc[m] = acc2[m] = zero();
-  for (int64_t k = 0; k < K; ++k) {
-    if (prefetch) {
-      __builtin_prefetch(panel + (k + kPrefetchRows) * kLanes, 0, 2);
-      __builtin_prefetch(next + (k + kPrefetchRows) * kLanes, 0, 2);
-    }
-    const Reg w = load(panel + k * kLanes), w2 = load(next + k * kLanes);
-    const float* xk = xt + k * rows;
-#pragma GCC unroll 16
-    for (int m = 0; m < rows; ++m) {
-      acc[m] = fma(xk[m], w, acc[m]);
-      acc2[m] = fma(xk[m], w2, acc2[m]);
-    }
-  }
-  const Reg b = bias == nullptr ? zero() : load(bias);
-  const Reg b2 = bias == nullptr ? zero() : load(bias + kLanes);
-#pragma GCC unroll 16
-  for (int m = 0; m < rows; ++m) {
-    store_part(out + m * ldo, add(acc[m], b), kLanes);
-    store_part(out + m * ldo + kLanes, add(acc2[m], b2), kLanes);
+    for (int m = 0; m < rows; ++m) store_part(out + m * ldo + j * kLanes, add(acc[j][m], b), n);
   }
 }
 
 using PanelRows = void (*)(const float*, const float*, int64_t, float*, int64_t, int64_t,
                            const float*, bool);
 
-template <template <int> class Kernel, int... rows>
+template <int width, int... rows>
 constexpr auto kernel_table(std::integer_sequence<int, rows...>) {
-  return std::array<PanelRows, sizeof...(rows) + 1>{nullptr, Kernel<rows + 1>::run...};
+  return std::array<PanelRows, sizeof...(rows) + 1>{nullptr, panel_rows<rows + 1, width>...};
 }
-template <int rows>
-struct One {
-  static constexpr PanelRows run = panel_rows<rows>;
-};
-template <int rows>
-struct Pair {
-  static constexpr PanelRows run = panel_pair_rows<rows>;
-};
-// kPanelRows[r], kPairRows_[r]: the kernel for a group of r rows.
-constexpr auto kPanelRows = kernel_table<One>(std::make_integer_sequence<int, kGroupRows>{});
-constexpr auto kPanelPairRows = kernel_table<Pair>(std::make_integer_sequence<int, kPairRows>{});
+// kOne[r], kWideKernels[r]: the kernel for a group of r rows over one panel, over kWide.
+constexpr auto kOne = kernel_table<1>(std::make_integer_sequence<int, kGroupRows>{});
+constexpr auto kWideKernels = kernel_table<kWide>(std::make_integer_sequence<int, kWideRows>{});
 
 // x: float32 [M, K]; panels: float32 [P, K, kLanes], contiguous (pack_panels); bias: float32
 // [N] or None; N: the product's columns (P * kLanes rounded up from it).
@@ -180,9 +160,9 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels,
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0) return out;
   // Up to one group's rows run one panel at a time (decode steps: the weights' bytes bound them);
-  // more run two at a time, in groups of kPairRows (prompts: the arithmetic does).
-  const bool pairs = M > kGroupRows;
-  const int64_t group_rows = pairs ? kPairRows : kGroupRows;
+  // more run kWide at a time, in groups of kWideRows (prompts: the arithmetic does).
+  const bool wide = M > kGroupRows;
+  const int64_t group_rows = wide ? kWideRows : kGroupRows;
   const int64_t groups = (M + group_rows - 1) / group_rows;
   // x transposed by groups: group g's [K][rows] at xt + g * group_rows * K.
   std::vector<float> xt(static_cast<size_t>(M * K));
@@ -197,30 +177,23 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels,
   const float* w = panels.data_ptr<float>();
   const float* bp = bias.has_value() ? b.data_ptr<float>() : nullptr;
   float* o = out.data_ptr<float>();
-  // Tasks: single panels, or pairs of whole panels (a last odd or partial one alone).
-  const int64_t step = pairs ? 2 : 1, tasks = (P + step - 1) / step;
+  // Tasks: single panels, or kWide of them (the last ones, short of kWide, one at a time).
+  const int64_t step = wide ? kWide : 1, tasks = (P + step - 1) / step;
   at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t p = t * step;
-      const bool pair = pairs && p + 1 < P && N >= (p + 2) * kLanes;
+      const int64_t p = t * step, last = std::min(p + step, P);
+      const bool whole = wide && last - p == kWide;
       // The panels' weights stay in L1/L2 while each group of rows multiplies them: they are
       // prefetched from memory for the first group only.
       for (int64_t g = 0; g < groups; ++g) {
         const int64_t first = g * group_rows, rows = std::min<int64_t>(group_rows, M - first);
         const float* xg = xt.data() + first * K;
-        float* og = o + first * N;
-        const float* bias_at = bp == nullptr ? nullptr : bp + p * kLanes;
-        if (pair) {
-          kPanelPairRows[rows](xg, w + p * K * kLanes, K, og + p * kLanes, N, 2 * kLanes,
-                               bias_at, g == 0);
-          continue;
-        }
-        for (int64_t q = p; q < std::min(p + step, P); ++q) {
-          const int64_t cols = std::min<int64_t>(kLanes, N - q * kLanes);
-          // a group of up to kPairRows rows when pairing, kGroupRows otherwise: both tables
-          // have the row count
-          kPanelRows[rows](xg, w + q * K * kLanes, K, og + q * kLanes, N, cols,
-                           bp == nullptr ? nullptr : bp + q * kLanes, g == 0);
+        for (int64_t q = p; q < last; q += whole ? kWide : 1) {
+          const int64_t cols = std::min<int64_t>((whole ? kWide : 1) * kLanes, N - q * kLanes);
+          // rows <= group_rows, which both tables cover
+          const PanelRows kernel = whole ? kWideKernels[rows] : kOne[rows];
+          kernel(xg, w + q * K * kLanes, K, o + first * N + q * kLanes, N, cols,
+                 bp == nullptr ? nullptr : bp + q * kLanes, g == 0);
         }
       }
     }
