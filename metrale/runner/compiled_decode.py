@@ -10,10 +10,11 @@ activations and residual adds fused, and two graphs serve every step:
   weights at ~2/3 of the machine's bandwidth (bench/profile_cpu.py), and attention as reductions
   over the paged cache in place (`layers/attention/compiled_decode.py`). ~55% of the eager step's
   time on 2 cores.
-- several rows (a symbolic count, 2 or more): oneDNN's prepacked products as eager steps run them
-  (`metrale::onednn_linear`) and the C++ paged decode attention (`kernels/cpu_extension.py`),
-  called from the graph. 16 rows of peers.md's 33.6M Llama: ~12.5 against ~15 ms a step
-  (bench/cpu_step_ab.py).
+- several rows (a symbolic count, 2 or more): the packed products as eager steps run them
+  (Metrale's `panel_linear` over float32 weights, else `metrale::onednn_linear`) and the C++
+  paged decode attention (`kernels/cpu_extension.py`), called from the graph. 16 rows of
+  peers.md's 33.6M Llama: ~12.5 against ~15 ms a step with oneDNN's products, ~10.3 with the
+  panels (bench/cpu_step_ab.py).
 
 The context (the block-table width) is a symbolic size too, so no request compiles; the pool's
 and the model's sizes are constants. Both graphs are compiled at startup by warm-up steps;
