@@ -183,9 +183,9 @@ class Linear(nn.Linear):
     """`fused`: one-row inputs take `gemv` (see `linear`), and a packed weight the quantized
     kernels (see `packed_linear`). `panels` or `onednn`: the weight in the layout of Metrale's
     CPU product or of oneDNN's (`prepack_for_cpu`); then `weight` is None unless compiled steps
-    read it. `decode_packed`: on a CPU serving a
-    GGUF file dequantized, the file's packed blocks of the weight too, which compiled one-row
-    decode steps read (`compiled_product`), a fraction of the dense weight's bytes."""
+    read it. `decode_packed`: on a CPU serving a GGUF file dequantized, the file's packed blocks
+    of the weight too, which compiled one-row decode steps read (`compiled_product`), a fraction
+    of the dense weight's bytes."""
 
     def __init__(
         self, in_features: int, out_features: int, bias: bool, fused: bool = False
