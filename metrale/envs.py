@@ -30,8 +30,9 @@ def pdl() -> bool:
 
 
 def onednn() -> bool:
-    """Whether linear layers on a CPU run through oneDNN's prepacked weights
-    (`layers.linear.prepack_for_cpu`): METRALE_ONEDNN=0 keeps torch's default products."""
+    """Whether linear layers on a CPU run through packed weights (`layers.linear.prepack_for_cpu`:
+    Metrale's panels for float32 where its CPU kernels build, else oneDNN's layout):
+    METRALE_ONEDNN=0 keeps torch's default products."""
     return os.environ.get("METRALE_ONEDNN", "1") != "0"
 
 

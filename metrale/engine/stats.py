@@ -181,7 +181,8 @@ def cpu_threads(model: torch.nn.Module) -> CPUThreads:
 
 def _kernels(core: EngineCore) -> dict[str, str]:
     """What runs each part of a layer (`_KERNELS`), with what a CPU runs in the torch backend's
-    place: oneDNN's products, Metrale's C++ decode attention, the compiled decode steps."""
+    place: the packed products (Metrale's panels or oneDNN's), Metrale's C++ decode attention, the
+    compiled decode steps."""
     kernels = dict(_KERNELS.get(core.config.attention_backend, {}))
     if core.config.device.type != "cpu" or core.config.attention_backend != "torch":
         return kernels

@@ -60,7 +60,7 @@ def effective_config(
         "response_store": args.response_store,
         "security": security.describe(),  # how many API keys, never the keys
         "engine": plain(config),
-        # the engine process's threads, allocator and oneDNN layers on a CPU (None on a GPU)
+        # the engine process's threads, allocator and packed linear layers on a CPU (None on a GPU)
         "cpu_threads": plain(forward.cpu_threads if forward is not None else None),
         "parallelism": {
             "data_parallel_size": config.data_parallel_size,
