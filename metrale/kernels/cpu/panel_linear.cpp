@@ -20,7 +20,6 @@
 #include <algorithm>
 #include <array>
 #include <utility>
-#include <vector>
 
 namespace {
 
@@ -94,12 +93,14 @@ inline Reg add(Reg a, Reg b) {
 // nearer ones arrived late, measured at 2-16 rows of x.
 constexpr int64_t kPrefetchRows = 128;
 
-// out[m, 0:cols] = xt[:, m] . W (+ bias) over `width` adjacent panels (cols of their columns)
+// out[m, 0:cols] = x[m, :] . W (+ bias) over `width` adjacent panels (cols of their columns)
 // for the `rows` rows of one group, both template arguments: the rows x width sums live in
-// registers. xt is the group's x transposed, [K][rows]; with width > 1 each broadcast of x feeds
-// `width` products, for x of more rows than one group, where the arithmetic bounds the time.
+// registers. x is the group's first row, the next ones ldx floats apart (read as they lie: the
+// rows' current lines stay in L1, where a transposed copy of x cost a prompt chunk ~5%); with
+// width > 1 each broadcast of x feeds `width` products, for x of more rows than one group, where
+// the arithmetic bounds the time.
 template <int rows, int width>
-void panel_rows(const float* __restrict xt, const float* __restrict panel, int64_t K,
+void panel_rows(const float* __restrict x, int64_t ldx, const float* __restrict panel, int64_t K,
                 float* __restrict out, int64_t ldo, int64_t cols, const float* bias,
                 bool prefetch) {
   Reg acc[width][rows];
@@ -115,11 +116,10 @@ void panel_rows(const float* __restrict xt, const float* __restrict panel, int64
       if (prefetch) __builtin_prefetch(at + kPrefetchRows * kLanes, 0, 2);
       w[j] = load(at);
     }
-    const float* xk = xt + k * rows;
 #pragma GCC unroll 16
     for (int m = 0; m < rows; ++m)
 #pragma GCC unroll 4
-      for (int j = 0; j < width; ++j) acc[j][m] = fma(xk[m], w[j], acc[j][m]);
+      for (int j = 0; j < width; ++j) acc[j][m] = fma(x[m * ldx + k], w[j], acc[j][m]);
   }
 #pragma GCC unroll 4
   for (int j = 0; j < width; ++j) {
@@ -130,8 +130,8 @@ void panel_rows(const float* __restrict xt, const float* __restrict panel, int64
   }
 }
 
-using PanelRows = void (*)(const float*, const float*, int64_t, float*, int64_t, int64_t,
-                           const float*, bool);
+using PanelRows = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t,
+                           int64_t, const float*, bool);
 
 template <int width, int... rows>
 constexpr auto kernel_table(std::integer_sequence<int, rows...>) {
@@ -164,16 +164,9 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels,
   const bool wide = M > kGroupRows;
   const int64_t group_rows = wide ? kWideRows : kGroupRows;
   const int64_t groups = (M + group_rows - 1) / group_rows;
-  // x transposed by groups: group g's [K][rows] at xt + g * group_rows * K.
-  std::vector<float> xt(static_cast<size_t>(M * K));
-  const at::Tensor xc = x.contiguous();
+  const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
   const float* xp = xc.data_ptr<float>();
-  for (int64_t g = 0; g < groups; ++g) {
-    const int64_t first = g * group_rows, rows = std::min<int64_t>(group_rows, M - first);
-    float* t = xt.data() + first * K;
-    for (int64_t m = 0; m < rows; ++m)
-      for (int64_t k = 0; k < K; ++k) t[k * rows + m] = xp[(first + m) * K + k];
-  }
+  const int64_t ldx = xc.stride(0);
   const float* w = panels.data_ptr<float>();
   const float* bp = bias.has_value() ? b.data_ptr<float>() : nullptr;
   float* o = out.data_ptr<float>();
@@ -187,12 +180,12 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels,
       // prefetched from memory for the first group only.
       for (int64_t g = 0; g < groups; ++g) {
         const int64_t first = g * group_rows, rows = std::min<int64_t>(group_rows, M - first);
-        const float* xg = xt.data() + first * K;
+        const float* xg = xp + first * ldx;
         for (int64_t q = p; q < last; q += whole ? kWide : 1) {
           const int64_t cols = std::min<int64_t>((whole ? kWide : 1) * kLanes, N - q * kLanes);
           // rows <= group_rows, which both tables cover
           const PanelRows kernel = whole ? kWideKernels[rows] : kOne[rows];
-          kernel(xg, w + q * K * kLanes, K, o + first * N + q * kLanes, N, cols,
+          kernel(xg, ldx, w + q * K * kLanes, K, o + first * N + q * kLanes, N, cols,
                  bp == nullptr ? nullptr : bp + q * kLanes, g == 0);
         }
       }
