@@ -94,7 +94,7 @@ def compiled_product(layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) 
     if x.shape[0] == 1 and layer.weight is not None:
         return streamed_product(x, layer.weight, bias)
     if layer.panels is not None:
-        return torch.ops.metrale_cpu.panel_linear(x, layer.panels, bias, layer.out_features)
+        return _panel_product(x, layer.panels, bias, layer.out_features)
     if layer.onednn_id is not None:
         return torch.ops.metrale.onednn_linear(x, layer.onednn_id, bias)
     return F.linear(x, layer.weight, bias)
@@ -103,7 +103,8 @@ def compiled_product(layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) 
 def _panel_product(
     x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, n: int
 ) -> torch.Tensor:
-    """x [..., K] @ W.T (+ bias) over W's panels: [..., n]."""
+    """x [..., K] @ W.T (+ bias) over W's panels: [..., n] (`cpu_extension.panel_linear`'s op,
+    called as it is: eager steps and compiled graphs alike)."""
     if x.dim() == 2:
         return torch.ops.metrale_cpu.panel_linear(x, panels, bias, n)
     out = torch.ops.metrale_cpu.panel_linear(x.reshape(-1, x.shape[-1]), panels, bias, n)
