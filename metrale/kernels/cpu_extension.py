@@ -52,6 +52,7 @@ from metrale.kernels.quant_layout import FORMAT_IDS
 logger = logging.getLogger(__name__)
 
 _SOURCES = sorted((Path(__file__).parent / "cpu").glob("*.cpp"))
+_HEADERS = sorted((Path(__file__).parent / "cpu").glob("*.h"))  # in the name's digest too
 _traceable = False  # the ops' fake (tracing) implementations are registered
 # The caches `paged_decode_attention` reads (fp8 ones stay on the torch path).
 _ATTENDED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -91,7 +92,8 @@ def enabled() -> bool:
 
 def extension_name() -> str:
     """The kernels' name for torch's builder: a new one for new sources or another CPU kind."""
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES)).hexdigest()[:10]
+    sources = b"".join(p.read_bytes() for p in (*_SOURCES, *_HEADERS))
+    digest = hashlib.sha256(sources).hexdigest()[:10]
     return f"metrale_cpu_{digest}_{_machine_tag()}"
 
 

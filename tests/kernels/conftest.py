@@ -21,3 +21,12 @@ pytest.importorskip("triton")
 @pytest.fixture
 def device() -> torch.device:
     return torch.device("cuda" if ON_GPU else "cpu")
+
+
+@pytest.fixture
+def torch_threads():
+    """Sets torch's intra-op threads for the test (more than the cores, as well), and restores
+    them after."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)

@@ -1,7 +1,8 @@
 """The CPU kernel of decode attention over the paged cache (`kernels/cpu_extension.py`): each row
 equals SDPA over its own slots gathered out of the pool, for groups of 1, 2 and 3 query heads a
 KV head, contexts of one slot, a block's end and a whole table, blocks in any order, and a
-sliding window, and scores far apart; over a bfloat16 or float16 pool it equals float32 SDPA over
+sliding window, and scores far apart, the same bits on any number of threads (which claim runs
+of rows as they come free); over a bfloat16 or float16 pool it equals float32 SDPA over
 the same 16-bit values to the output's rounding; inputs it cannot read are errors, not wrong
 numbers.
 """
@@ -66,6 +67,22 @@ def test_rows_equal_sdpa_over_their_own_slots(heads, kv_heads, window, scale):
     got = cpu_extension.paged_decode_attention(*args, window)
     tolerance = 1e-5 if scale < 1 else 1e-4
     torch.testing.assert_close(got, reference(*args, window), rtol=tolerance, atol=tolerance)
+
+
+def test_any_number_of_threads_gives_the_same_bits(torch_threads):
+    k_cache, v_cache = pool(64, 2, 32)
+    g = torch.Generator().manual_seed(5)
+    lengths = torch.randint(1, 8 * BLOCK, (23,), generator=g)
+    block_tables = torch.stack([torch.randperm(64, generator=g)[:8] for _ in range(23)])
+    q = torch.randn(23, 4, 32, generator=g)
+    args = (q, k_cache, v_cache, block_tables, lengths, 0.2)
+    outs = []
+    for threads in (1, 2, 3, 5):
+        torch_threads(threads)
+        outs.append(cpu_extension.paged_decode_attention(*args, None))
+    torch.testing.assert_close(outs[0], reference(*args, None), rtol=1e-5, atol=1e-5)
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -2,8 +2,9 @@
 equals a float64 product to float32 rounding at every row count its kernels and their row groups
 split differently (one panel at a time up to one group of rows, several panels a pass past it, a
 last partial group), at widths with a partial last panel inside a pass of several and alone, and
-panel counts that several do not divide, on rows of any stride; packing is exact and
-reversible; inputs it cannot read are errors, not wrong numbers.
+panel counts that several do not divide, on rows of any stride; the same bits on any number of
+threads, which claim runs of panels as they come free; packing is exact and reversible; inputs it
+cannot read are errors, not wrong numbers.
 """
 
 from __future__ import annotations
@@ -44,6 +45,22 @@ def test_equals_the_product_to_float32_rounding(rows, n, k, with_bias) -> None:
     assert out.shape == (rows, n) and out.dtype == torch.float32
     # sums of k products of unit normals: float32 rounding grows with sqrt(k) * |terms|
     torch.testing.assert_close(out, reference(x, w, bias), rtol=1e-5, atol=2e-5 * k**0.5)
+
+
+@pytest.mark.parametrize("rows", [3, 16, 40])
+def test_any_number_of_threads_gives_the_same_bits(rows, torch_threads) -> None:
+    # 63 panels (or 16 passes of several) claimed in runs: a panel skipped, or two threads'
+    # runs overlapping on a pass, shows here, and each column's sum does not depend on who ran it
+    torch.manual_seed(rows)
+    w, x, bias = torch.randn(1000, 96), torch.randn(rows, 96), torch.randn(1000)
+    panels = cpu_extension.pack_panels(w)
+    outs = []
+    for threads in (1, 2, 3, 5):
+        torch_threads(threads)
+        outs.append(cpu_extension.panel_linear(x, panels, bias, 1000))
+    torch.testing.assert_close(outs[0], reference(x, w, bias), rtol=1e-5, atol=2e-4)
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
 
 
 def test_panels_hold_the_weight_by_columns_and_zero_padding() -> None:

@@ -10,6 +10,8 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include "task_claims.h"
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -123,71 +125,76 @@ void attend_rows(const at::Tensor& qc, const at::Tensor& k_cache, const at::Tens
   const auto first_slot = [&](int64_t i) {
     return window > 0 ? std::max<int64_t>(0, len[i] - window) : int64_t{0};
   };
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+  metrale_cpu::parallel_claims(rows, [&](metrale_cpu::TaskClaims& claims) {
     std::vector<float> acc(heads * d), weight(heads * block_size), best(heads), total(heads),
         query(heads * d);
-    for (int64_t i = begin; i < end; ++i) {
-      for (int64_t j = 0; j < heads * d; ++j) query[j] = static_cast<float>(qp[i * heads * d + j]);
-      const float* qi = query.data();
-      const int64_t stop = len[i];
-      const int64_t start = first_slot(i);
-      std::fill(acc.begin(), acc.end(), 0.f);
-      std::fill(best.begin(), best.end(), -std::numeric_limits<float>::infinity());
-      std::fill(total.begin(), total.end(), 0.f);
-      for (int64_t b = start / block_size; b * block_size < stop; ++b) {
-        const int64_t block = bt[i * max_blocks + b];
-        TORCH_CHECK(block >= 0 && block < num_blocks, "block ", block, " is not in the pool");
-        const int64_t lo = std::max(start, b * block_size) - b * block_size;
-        const int64_t hi = std::min(stop, (b + 1) * block_size) - b * block_size;
-        const T* kb = kp + block * block_values;
-        const T* vb = vp + block * block_values;
-        // The block after this one: this row's next, else the next row's first.
-        const T* next_k = nullptr;
-        const T* next_v = nullptr;
-        {
-          int64_t next = -1;
-          if ((b + 1) * block_size < stop) {
-            next = bt[i * max_blocks + b + 1];
-          } else if (i + 1 < end) {
-            next = bt[(i + 1) * max_blocks + first_slot(i + 1) / block_size];
-          }
-          if (next >= 0 && next < num_blocks) {  // checked again when it is read
-            next_k = kp + next * block_values;
-            next_v = vp + next * block_values;
-          }
+    int64_t begin = 0, end = 0;
+    while (claims.next(begin, end)) {
+      for (int64_t i = begin; i < end; ++i) {
+        for (int64_t j = 0; j < heads * d; ++j) {
+          query[j] = static_cast<float>(qp[i * heads * d + j]);
         }
-        for (int64_t t = lo; t < hi; ++t) {
-          if (next_k != nullptr) {  // a slot's worth of the next block a slot: spread, not burst
-            prefetch(next_k + t * slot_stride, slot_stride);
-            prefetch(next_v + t * slot_stride, slot_stride);
+        const float* qi = query.data();
+        const int64_t stop = len[i];
+        const int64_t start = first_slot(i);
+        std::fill(acc.begin(), acc.end(), 0.f);
+        std::fill(best.begin(), best.end(), -std::numeric_limits<float>::infinity());
+        std::fill(total.begin(), total.end(), 0.f);
+        for (int64_t b = start / block_size; b * block_size < stop; ++b) {
+          const int64_t block = bt[i * max_blocks + b];
+          TORCH_CHECK(block >= 0 && block < num_blocks, "block ", block, " is not in the pool");
+          const int64_t lo = std::max(start, b * block_size) - b * block_size;
+          const int64_t hi = std::min(stop, (b + 1) * block_size) - b * block_size;
+          const T* kb = kp + block * block_values;
+          const T* vb = vp + block * block_values;
+          // The block after this one: this row's next, else the next row's first.
+          const T* next_k = nullptr;
+          const T* next_v = nullptr;
+          {
+            int64_t next = -1;
+            if ((b + 1) * block_size < stop) {
+              next = bt[i * max_blocks + b + 1];
+            } else if (i + 1 < end) {
+              next = bt[(i + 1) * max_blocks + first_slot(i + 1) / block_size];
+            }
+            if (next >= 0 && next < num_blocks) {  // checked again when it is read
+              next_k = kp + next * block_values;
+              next_v = vp + next * block_values;
+            }
           }
+          for (int64_t t = lo; t < hi; ++t) {
+            if (next_k != nullptr) {  // a slot's worth of the next block a slot: spread, not burst
+              prefetch(next_k + t * slot_stride, slot_stride);
+              prefetch(next_v + t * slot_stride, slot_stride);
+            }
+            for (int64_t head = 0; head < heads; ++head) {
+              const T* k = kb + t * slot_stride + (head / group) * d;
+              weight[head * block_size + t] = s * dot(qi + head * d, k, d);
+            }
+          }
+          if (next_k != nullptr) {  // the next block's slots this one has not (a partial block)
+            prefetch(next_k, lo * slot_stride);
+            prefetch(next_v, lo * slot_stride);
+            prefetch(next_k + hi * slot_stride, (block_size - hi) * slot_stride);
+            prefetch(next_v + hi * slot_stride, (block_size - hi) * slot_stride);
+          }
+          // Per head: the block's new maximum, its slots' weights, and what came before rescaled
+          // to that maximum as the block's values are added.
           for (int64_t head = 0; head < heads; ++head) {
-            const T* k = kb + t * slot_stride + (head / group) * d;
-            weight[head * block_size + t] = s * dot(qi + head * d, k, d);
+            float* w = weight.data() + head * block_size + lo;
+            const float m = std::max(best[head], *std::max_element(w, w + (hi - lo)));
+            const float c = weight_of(best[head] - m);
+            total[head] = total[head] * c + weigh(w, hi - lo, m);
+            best[head] = m;
+            accumulate(acc.data() + head * d, c, w, vb + lo * slot_stride + (head / group) * d,
+                       hi - lo, slot_stride, d);
           }
         }
-        if (next_k != nullptr) {  // the next block's slots this one has not (a partial block)
-          prefetch(next_k, lo * slot_stride);
-          prefetch(next_v, lo * slot_stride);
-          prefetch(next_k + hi * slot_stride, (block_size - hi) * slot_stride);
-          prefetch(next_v + hi * slot_stride, (block_size - hi) * slot_stride);
-        }
-        // Per head: the block's new maximum, its slots' weights, and what came before rescaled
-        // to that maximum as the block's values are added.
         for (int64_t head = 0; head < heads; ++head) {
-          float* w = weight.data() + head * block_size + lo;
-          const float m = std::max(best[head], *std::max_element(w, w + (hi - lo)));
-          const float c = weight_of(best[head] - m);
-          total[head] = total[head] * c + weigh(w, hi - lo, m);
-          best[head] = m;
-          accumulate(acc.data() + head * d, c, w, vb + lo * slot_stride + (head / group) * d,
-                     hi - lo, slot_stride, d);
+          T* o = op + (i * heads + head) * d;
+          const float inv = 1.f / total[head];
+          for (int64_t j = 0; j < d; ++j) o[j] = static_cast<T>(acc[head * d + j] * inv);
         }
-      }
-      for (int64_t head = 0; head < heads; ++head) {
-        T* o = op + (i * heads + head) * d;
-        const float inv = 1.f / total[head];
-        for (int64_t j = 0; j < d; ++j) o[j] = static_cast<T>(acc[head * d + j] * inv);
       }
     }
   });

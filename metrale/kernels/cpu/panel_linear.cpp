@@ -13,6 +13,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "task_claims.h"
+
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -172,21 +174,24 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels,
   float* o = out.data_ptr<float>();
   // Tasks: single panels, or kWide of them (the last ones, short of kWide, one at a time).
   const int64_t step = wide ? kWide : 1, tasks = (P + step - 1) / step;
-  at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t p = t * step, last = std::min(p + step, P);
-      const bool whole = wide && last - p == kWide;
-      // The panels' weights stay in L1/L2 while each group of rows multiplies them: they are
-      // prefetched from memory for the first group only.
-      for (int64_t g = 0; g < groups; ++g) {
-        const int64_t first = g * group_rows, rows = std::min<int64_t>(group_rows, M - first);
-        const float* xg = xp + first * ldx;
-        for (int64_t q = p; q < last; q += whole ? kWide : 1) {
-          const int64_t cols = std::min<int64_t>((whole ? kWide : 1) * kLanes, N - q * kLanes);
-          // rows <= group_rows, which both tables cover
-          const PanelRows kernel = whole ? kWideKernels[rows] : kOne[rows];
-          kernel(xg, ldx, w + q * K * kLanes, K, o + first * N + q * kLanes, N, cols,
-                 bp == nullptr ? nullptr : bp + q * kLanes, g == 0);
+  metrale_cpu::parallel_claims(tasks, [&](metrale_cpu::TaskClaims& claims) {
+    int64_t t0 = 0, t1 = 0;
+    while (claims.next(t0, t1)) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t p = t * step, last = std::min(p + step, P);
+        const bool whole = wide && last - p == kWide;
+        // The panels' weights stay in L1/L2 while each group of rows multiplies them: they are
+        // prefetched from memory for the first group only.
+        for (int64_t g = 0; g < groups; ++g) {
+          const int64_t first = g * group_rows, rows = std::min<int64_t>(group_rows, M - first);
+          const float* xg = xp + first * ldx;
+          for (int64_t q = p; q < last; q += whole ? kWide : 1) {
+            const int64_t cols = std::min<int64_t>((whole ? kWide : 1) * kLanes, N - q * kLanes);
+            // rows <= group_rows, which both tables cover
+            const PanelRows kernel = whole ? kWideKernels[rows] : kOne[rows];
+            kernel(xg, ldx, w + q * K * kLanes, K, o + first * N + q * kLanes, N, cols,
+                   bp == nullptr ? nullptr : bp + q * kLanes, g == 0);
+          }
         }
       }
     }
