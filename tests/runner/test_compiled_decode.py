@@ -5,7 +5,8 @@ fidelity tests' tolerance, sync and async, for requests alone (every decode step
 row), batched (steps of several rows compiled), and batched with chunked prefill and preemption
 (compiled steps between eager ones over the same pool); speculation's plain steps run compiled
 between its verify steps with the outputs of plain decoding; the two graphs compiled at startup
-serve every context length and row count; `--enforce-eager` and the paths it cannot run keep the
+serve every context length and row count; engines of models that only their modules' weights
+tell apart compile graphs of their own; `--enforce-eager` and the paths it cannot run keep the
 eager steps. Served from a GGUF file, the compiled steps read the file's packed blocks
 (`kernels/cpu_extension.py`) and still give transformers' tokens.
 """
@@ -123,6 +124,19 @@ def test_speculation_steps_between_compiled_ones_keep_the_outputs(tmp_path):
     assert got == expected == reply
     assert llm.engine.scheduler.speculator.stats.num_accepted_tokens > 0
     assert llm.engine.runner.num_compiled_steps > 0
+
+
+@needs_compiler
+def test_engines_of_models_alike_but_for_a_weight_compile_their_own_graphs(tmp_path):
+    # Same layers, heads and pool, so the same step inputs; only the MLP's width differs, which
+    # dynamo's guards on the modules (skipped: `runner/compiled_decode.py`) would have told.
+    prompts = prompts_of((6, 30))
+    for width in (160, 96):
+        model_dir = build_checkpoint(tmp_path / str(width), "llama", intermediate_size=width)
+        llm = LLM(model_from_path=str(model_dir), dtype="float32")
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert llm.engine.runner.num_compiled_steps >= MAX_NEW_TOKENS - 1
+        check(outputs, hf_greedy(model_dir, prompts, MAX_NEW_TOKENS), f"intermediate {width}")
 
 
 def test_paths_it_cannot_run_stay_eager(tmp_path):
