@@ -1,8 +1,8 @@
 """The CPU kernels around a step's products (`kernels/cpu/elementwise.cpp`): SiLU-and-mul, RMSNorm
-with and without the residual add, and the rotary embedding in place each equal torch's formula
-(the layers' own eager path) to float32 rounding, at widths with and without a SIMD tail, on
-rows of any stride; the layers take them on eager float32 CPU steps and not while a graph is
-traced; inputs they cannot read are errors, not wrong numbers.
+with and without the residual add, and the rotary embedding in place each equal torch's formula (the
+layers' own eager path) to float32 rounding, at widths with and without a SIMD tail, on rows of any
+stride, the same bits on any number of threads; the layers take them on eager float32 CPU steps and
+not while a graph is traced; inputs they cannot read are errors, not wrong numbers.
 """
 
 from __future__ import annotations
@@ -81,6 +81,28 @@ def test_rotary_in_place_equals_the_torch_rotation():
     cpu_extension.rotary_(q, k, rope.cos_cache, rope.sin_cache, positions)
     torch.testing.assert_close(q, want_q, **TOL)
     torch.testing.assert_close(k, want_k, **TOL)
+
+
+def test_any_number_of_threads_gives_the_same_bits(torch_threads):
+    # 100 rows: past the 16-row grain, so runs of rows are claimed by each thread there is
+    rope = RotaryEmbedding(64, 256, RopeConfig(theta=10000.0))
+    x, residual, weight = torch.randn(100, 512), torch.randn(100, 512), torch.rand(512) + 0.5
+    gate_up, positions = torch.randn(100, 3072), torch.arange(100) * 2
+    outs = []
+    for threads in (1, 2, 3, 5):
+        torch_threads(threads)
+        q, k = torch.randn(100, 8, 64, generator=torch.Generator().manual_seed(0)).split([6, 2], 1)
+        cpu_extension.rotary_(q, k, rope.cos_cache, rope.sin_cache, positions)
+        outs.append(
+            (
+                cpu_extension.silu_and_mul(gate_up),
+                *cpu_extension.rms_norm(x, residual, weight, 1e-6),
+                q,
+                k,
+            )
+        )
+    for got in outs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(got, outs[0], strict=True))
 
 
 def _angles(rope: RotaryEmbedding, positions: torch.Tensor):

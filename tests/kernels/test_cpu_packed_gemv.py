@@ -1,8 +1,8 @@
-"""The CPU kernel of one-row products over packed GGUF weights (`kernels/cpu_extension.py`):
-built with g++ on first use, it equals the float32 product over the dequantized weight for every
-format, at shapes whose blocks do and do not fill its four-block turns and whose rows do and do
-not fill a thread's share; wrong inputs are errors, not wrong numbers; where it cannot be built
-the module says so instead of raising.
+"""The CPU kernel of one-row products over packed GGUF weights (`kernels/cpu_extension.py`): built
+with g++ on first use, it equals the float32 product over the dequantized weight for every format,
+at shapes whose blocks do and do not fill its four-block turns and whose rows do and do not fill a
+thread's share, with the same bits on any number of threads; wrong inputs are errors, not wrong
+numbers; where it cannot be built the module says so instead of raising.
 """
 
 from __future__ import annotations
@@ -26,6 +26,18 @@ def test_equals_the_product_over_the_dequantized_weight(fmt, n, k):
     expected = matmul_ref(x, fmt, *parts, None, torch.float32)
     assert got.shape == (1, n) and got.dtype == torch.float32
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_any_number_of_threads_gives_the_same_bits(fmt, torch_threads):
+    parts = random_packed(fmt, 1000, 256, "cpu", seed=3)  # 16 runs of 64 rows to claim
+    x = torch.randn(1, 256)
+    outs = []
+    for threads in (1, 2, 3, 5):
+        torch_threads(threads)
+        outs.append(cpu_extension.packed_gemv(x, fmt, *parts))
+    assert all(torch.equal(out, outs[0]) for out in outs[1:])
 
 
 @needs_cpu_kernels

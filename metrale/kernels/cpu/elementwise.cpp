@@ -5,9 +5,10 @@
 // in these operators); compiled decode steps keep torch's formulas, which inductor fuses. Rows
 // split across torch's threads; at::vec's SIMD width is the one cpu_extension.py compiles for.
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
+
+#include "task_claims.h"
 
 #include <cmath>
 #include <tuple>
@@ -33,7 +34,7 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   const float* in = gate_up.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t stride = gate_up.stride(0);
-  at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
+  metrale_cpu::parallel_for_claimed(rows, kGrain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* gate = in + t * stride;
       const float* up = gate + n;
@@ -68,7 +69,7 @@ void rms_norm_rows(const at::Tensor& x, const at::Tensor* residual, at::Tensor* 
   const int64_t x_stride = x.stride(0), r_stride = residual != nullptr ? residual->stride(0) : 0;
   float* op = out.data_ptr<float>();
   const float* w = weight.data_ptr<float>();
-  at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
+  metrale_cpu::parallel_for_claimed(rows, kGrain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* s = xp + t * x_stride;
       Vec squares(0.f);
@@ -138,7 +139,7 @@ void rotate(const at::Tensor& x, const float* cos, const float* sin, const int64
   TORCH_CHECK(d % 2 == 0, "head_dim must be even");
   float* xp = x.data_ptr<float>();
   const int64_t stride = x.stride(0);
-  at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
+  metrale_cpu::parallel_for_claimed(rows, kGrain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* c = cos + pos[t] * cache_stride;
       const float* s = sin + pos[t] * cache_stride;

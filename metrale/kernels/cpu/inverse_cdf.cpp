@@ -6,9 +6,10 @@
 // of its own. The exponential is at::vec's, as torch's own exp on this CPU, so the weights,
 // their int64 sums and the token are the formula's. Rows split across torch's threads.
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
+
+#include "task_claims.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -87,7 +88,7 @@ at::Tensor tempered_inverse_cdf(const at::Tensor& logits, const at::Tensor& temp
   auto t = temperature.accessor<float, 1>();
   auto d = draws.accessor<double, 1>();
   int64_t* ids = out.data_ptr<int64_t>();
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+  metrale_cpu::parallel_for_claimed(rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) ids[r] = draw_row(x + r * stride, n, t[r], d[r]);
   });
   return out;

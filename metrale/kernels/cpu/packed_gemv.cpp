@@ -5,9 +5,10 @@
 // those of the dequantized weight, only the order of the sums differs. AVX-512 where the
 // machine has it (-march=native), plain loops otherwise; rows split across torch's threads.
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
+
+#include "task_claims.h"
 
 #include <vector>
 
@@ -129,7 +130,7 @@ at::Tensor packed_gemv(const at::Tensor& x, const at::Tensor& qweight, const at:
   const c10::Half* dp = scales.data_ptr<c10::Half>();
   if (fmt == kQ8_0) {
     const int8_t* qp = qweight.data_ptr<int8_t>();
-    at::parallel_for(0, n, kRowsPerTask, [&](int64_t begin, int64_t end) {
+    metrale_cpu::parallel_for_claimed(n, kRowsPerTask, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) yp[r] = dot_q8(qp + r * k, dp + r * blocks, xp, blocks);
     });
     return out;
@@ -147,7 +148,7 @@ at::Tensor packed_gemv(const at::Tensor& x, const at::Tensor& qweight, const at:
   }
   const uint8_t* qp = qweight.data_ptr<uint8_t>();
   const c10::Half* mp = fmt == kQ4_1 ? mins.data_ptr<c10::Half>() : nullptr;
-  at::parallel_for(0, n, kRowsPerTask, [&](int64_t begin, int64_t end) {
+  metrale_cpu::parallel_for_claimed(n, kRowsPerTask, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const c10::Half* d = dp + r * blocks;
       float offset = 0.f;

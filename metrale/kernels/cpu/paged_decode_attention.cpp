@@ -5,7 +5,6 @@
 // widened to float32 as they are loaded, and every sum is float32. Rows split across torch's
 // threads.
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
@@ -125,7 +124,7 @@ void attend_rows(const at::Tensor& qc, const at::Tensor& k_cache, const at::Tens
   const auto first_slot = [&](int64_t i) {
     return window > 0 ? std::max<int64_t>(0, len[i] - window) : int64_t{0};
   };
-  metrale_cpu::parallel_claims(rows, [&](metrale_cpu::TaskClaims& claims) {
+  metrale_cpu::parallel_claims(rows, 1, [&](metrale_cpu::TaskClaims& claims) {
     std::vector<float> acc(heads * d), weight(heads * block_size), best(heads), total(heads),
         query(heads * d);
     int64_t begin = 0, end = 0;

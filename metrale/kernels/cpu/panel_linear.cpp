@@ -10,7 +10,6 @@
 // bandwidth measured by a copy (bench/cpu_products.py: 2-16 rows of peers.md's 33.6M Llama,
 // 1.4-1.6x oneDNN's prepacked product). The sums run over k in order, as oneDNN's do.
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include "task_claims.h"
@@ -174,7 +173,7 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels,
   float* o = out.data_ptr<float>();
   // Tasks: single panels, or kWide of them (the last ones, short of kWide, one at a time).
   const int64_t step = wide ? kWide : 1, tasks = (P + step - 1) / step;
-  metrale_cpu::parallel_claims(tasks, [&](metrale_cpu::TaskClaims& claims) {
+  metrale_cpu::parallel_claims(tasks, 1, [&](metrale_cpu::TaskClaims& claims) {
     int64_t t0 = 0, t1 = 0;
     while (claims.next(t0, t1)) {
       for (int64_t t = t0; t < t1; ++t) {
