@@ -51,7 +51,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 # Compiled graphs an engine's code may keep: the two its warm-up compiles, and more if a step's
-# inputs ever differ from theirs (dynamo's limit is a process's, its default 8).
+# inputs ever differ from theirs (dynamo's limit a code object, set for the process; default 8).
 _CACHE_SIZE_LIMIT = 64
 
 
