@@ -1,10 +1,10 @@
 """The CPU kernel of decode attention over the paged cache (`kernels/cpu_extension.py`): each row
-equals SDPA over its own slots gathered out of the pool, for groups of 1, 2 and 3 query heads a
-KV head, contexts of one slot, a block's end and a whole table, blocks in any order, and a
-sliding window, and scores far apart, the same bits on any number of threads (which claim runs
-of rows as they come free); over a bfloat16 or float16 pool it equals float32 SDPA over
-the same 16-bit values to the output's rounding; inputs it cannot read are errors, not wrong
-numbers.
+equals SDPA over its own slots gathered out of the pool, for groups of 1, 2 and 3 query heads a KV
+head, contexts of one slot, a block's end and a whole table, blocks in any order, and a sliding
+window, and scores far apart, block tables sliced out of a wider one, the same bits on any number of
+threads (which claim runs of rows as they come free); over a bfloat16 or float16 pool it equals
+float32 SDPA over the same 16-bit values to the output's rounding; inputs it cannot read are errors,
+not wrong numbers.
 """
 
 from __future__ import annotations
@@ -67,6 +67,18 @@ def test_rows_equal_sdpa_over_their_own_slots(heads, kv_heads, window, scale):
     got = cpu_extension.paged_decode_attention(*args, window)
     tolerance = 1e-5 if scale < 1 else 1e-4
     torch.testing.assert_close(got, reference(*args, window), rtol=tolerance, atol=tolerance)
+
+
+def test_a_slice_of_a_wider_table_reads_its_rows_where_they_lie():
+    # The runner's block-table buffer is wider than a step needs: the step passes a slice.
+    k_cache, v_cache = pool(64, 2, 32)
+    g = torch.Generator().manual_seed(9)
+    wide = torch.stack([torch.randperm(64, generator=g)[:12] for _ in range(5)])
+    lengths = torch.tensor([1, 17, 40, 64, 80])
+    q = torch.randn(5, 4, 32, generator=g)
+    got = cpu_extension.paged_decode_attention(q, k_cache, v_cache, wide[:, :5], lengths, 0.2, None)
+    want = reference(q, k_cache, v_cache, wide[:, :5].contiguous(), lengths, 0.2, None)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_any_number_of_threads_gives_the_same_bits(torch_threads):

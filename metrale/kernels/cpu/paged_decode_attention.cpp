@@ -102,7 +102,7 @@ void attend_rows(const at::Tensor& qc, const at::Tensor& k_cache, const at::Tens
                  at::Tensor& out) {
   const int64_t rows = qc.size(0), heads = qc.size(1), d = qc.size(2);
   const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
-  const int64_t max_blocks = tables.size(1), num_blocks = k_cache.size(0);
+  const int64_t row_stride = tables.stride(0), num_blocks = k_cache.size(0);
   const int64_t group = heads / kv_heads;
   const T* qp = qc.data_ptr<T>();
   const T* kp = k_cache.data_ptr<T>();
@@ -140,7 +140,7 @@ void attend_rows(const at::Tensor& qc, const at::Tensor& k_cache, const at::Tens
         std::fill(best.begin(), best.end(), -std::numeric_limits<float>::infinity());
         std::fill(total.begin(), total.end(), 0.f);
         for (int64_t b = start / block_size; b * block_size < stop; ++b) {
-          const int64_t block = bt[i * max_blocks + b];
+          const int64_t block = bt[i * row_stride + b];
           TORCH_CHECK(block >= 0 && block < num_blocks, "block ", block, " is not in the pool");
           const int64_t lo = std::max(start, b * block_size) - b * block_size;
           const int64_t hi = std::min(stop, (b + 1) * block_size) - b * block_size;
@@ -152,9 +152,9 @@ void attend_rows(const at::Tensor& qc, const at::Tensor& k_cache, const at::Tens
           {
             int64_t next = -1;
             if ((b + 1) * block_size < stop) {
-              next = bt[i * max_blocks + b + 1];
+              next = bt[i * row_stride + b + 1];
             } else if (i + 1 < end) {
-              next = bt[(i + 1) * max_blocks + first_slot(i + 1) / block_size];
+              next = bt[(i + 1) * row_stride + first_slot(i + 1) / block_size];
             }
             if (next >= 0 && next < num_blocks) {  // checked again when it is read
               next_k = kp + next * block_values;
@@ -221,7 +221,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.size(0) == rows && seq_lens.scalar_type() == at::kLong,
               "seq_lens must be int64 [rows]");
   const at::Tensor qc = q.contiguous();
-  const at::Tensor tables = block_tables.contiguous();
+  // Rows of a wider table (a slice of the runner's buffer) are read where they lie.
+  const at::Tensor tables = block_tables.stride(1) == 1 ? block_tables : block_tables.contiguous();
   const at::Tensor lens = seq_lens.contiguous();
   const int64_t max_blocks = tables.size(1);
   const int64_t* len = lens.data_ptr<int64_t>();
