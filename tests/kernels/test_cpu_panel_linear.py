@@ -74,10 +74,12 @@ def test_panels_hold_the_weight_by_columns_and_zero_padding() -> None:
     assert not dense[21:].any()
 
 
-def test_rows_of_any_stride() -> None:
+@pytest.mark.parametrize("rows", [6, 20])  # one group (read interleaved), several (as they lie)
+@pytest.mark.parametrize("view", ["every other column", "the first columns of wider rows"])
+def test_rows_of_any_stride(rows, view) -> None:
     w = torch.randn(40, 32)
-    wide = torch.randn(6, 64)
-    x = wide[:, ::2]  # every other column: rows not contiguous
+    wide = torch.randn(rows, 64)
+    x = wide[:, ::2] if view == "every other column" else wide[:, :32]
     out = cpu_extension.panel_linear(x, cpu_extension.pack_panels(w), None, 40)
     torch.testing.assert_close(out, reference(x, w, None), rtol=1e-5, atol=1e-4)
 

@@ -99,8 +99,10 @@ constexpr int64_t kPrefetchRows = 128;
 // registers. x is the group's first row, the next ones ldx floats apart (read as they lie: the
 // rows' current lines stay in L1, where a transposed copy of x cost a prompt chunk ~5%); with
 // width > 1 each broadcast of x feeds `width` products, for x of more rows than one group, where
-// the arithmetic bounds the time.
-template <int rows, int width>
+// the arithmetic bounds the time. With `interleaved`, x is the group's rows interleaved instead,
+// x.T [K, rows] (ldx unused): one pointer walks them all, where one a row ran out of registers
+// (16 row pointers: some reloaded every k, a 16-row decode step's products ~17% slower).
+template <int rows, int width, bool interleaved>
 void panel_rows(const float* __restrict x, int64_t ldx, const float* __restrict panel, int64_t K,
                 float* __restrict out, int64_t ldo, int64_t cols, const float* bias,
                 bool prefetch) {
@@ -120,7 +122,8 @@ void panel_rows(const float* __restrict x, int64_t ldx, const float* __restrict 
 #pragma GCC unroll 16
     for (int m = 0; m < rows; ++m)
 #pragma GCC unroll 4
-      for (int j = 0; j < width; ++j) acc[j][m] = fma(x[m * ldx + k], w[j], acc[j][m]);
+      for (int j = 0; j < width; ++j)
+        acc[j][m] = fma(interleaved ? x[k * rows + m] : x[m * ldx + k], w[j], acc[j][m]);
   }
 #pragma GCC unroll 4
   for (int j = 0; j < width; ++j) {
@@ -134,13 +137,27 @@ void panel_rows(const float* __restrict x, int64_t ldx, const float* __restrict 
 using PanelRows = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t,
                            int64_t, const float*, bool);
 
-template <int width, int... rows>
+template <int width, bool interleaved, int... rows>
 constexpr auto kernel_table(std::integer_sequence<int, rows...>) {
-  return std::array<PanelRows, sizeof...(rows) + 1>{nullptr, panel_rows<rows + 1, width>...};
+  return std::array<PanelRows, sizeof...(rows) + 1>{
+      nullptr, panel_rows<rows + 1, width, interleaved>...};
 }
-// kOne[r], kWideKernels[r]: the kernel for a group of r rows over one panel, over kWide.
-constexpr auto kOne = kernel_table<1>(std::make_integer_sequence<int, kGroupRows>{});
-constexpr auto kWideKernels = kernel_table<kWide>(std::make_integer_sequence<int, kWideRows>{});
+// The kernel for a group of r rows: kOne[r] over one panel (rows interleaved: decode steps);
+// kWideKernels[r] over kWide panels and kWideRest[r] over one (rows as they lie: prompts).
+constexpr auto kOne = kernel_table<1, true>(std::make_integer_sequence<int, kGroupRows>{});
+constexpr auto kWideKernels =
+    kernel_table<kWide, false>(std::make_integer_sequence<int, kWideRows>{});
+constexpr auto kWideRest = kernel_table<1, false>(std::make_integer_sequence<int, kWideRows>{});
+
+// x [M, K] (rows ldx floats apart) -> x.T [K, M], contiguous.
+at::Tensor interleave_rows(const float* x, int64_t ldx, int64_t M, int64_t K,
+                           const at::TensorOptions& options) {
+  at::Tensor out = at::empty({K, M}, options);
+  float* o = out.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) o[k * M + m] = x[m * ldx + k];
+  return out;
+}
 
 // x: float32 [M, K]; panels: float32 [P, K, kLanes], contiguous (pack_panels); bias: float32
 // [N] or None; N: the product's columns (P * kLanes rounded up from it).
@@ -165,9 +182,13 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels,
   const bool wide = M > kGroupRows;
   const int64_t group_rows = wide ? kWideRows : kGroupRows;
   const int64_t groups = (M + group_rows - 1) / group_rows;
-  const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
+  // Prompts read x's rows as they lie; one group of rows (decode steps) reads them interleaved.
+  const at::Tensor rows_x = x.stride(1) == 1 ? x : x.contiguous();
+  const int64_t ldx = rows_x.stride(0);
+  const at::Tensor xc = wide || M == 1
+                            ? rows_x
+                            : interleave_rows(rows_x.data_ptr<float>(), ldx, M, K, x.options());
   const float* xp = xc.data_ptr<float>();
-  const int64_t ldx = xc.stride(0);
   const float* w = panels.data_ptr<float>();
   const float* bp = bias.has_value() ? b.data_ptr<float>() : nullptr;
   float* o = out.data_ptr<float>();
@@ -186,8 +207,8 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels,
           const float* xg = xp + first * ldx;
           for (int64_t q = p; q < last; q += whole ? kWide : 1) {
             const int64_t cols = std::min<int64_t>((whole ? kWide : 1) * kLanes, N - q * kLanes);
-            // rows <= group_rows, which both tables cover
-            const PanelRows kernel = whole ? kWideKernels[rows] : kOne[rows];
+            // rows <= group_rows, which the tables cover
+            const PanelRows kernel = whole ? kWideKernels[rows] : wide ? kWideRest[rows] : kOne[rows];
             kernel(xg, ldx, w + q * K * kLanes, K, o + first * N + q * kLanes, N, cols,
                    bp == nullptr ? nullptr : bp + q * kLanes, g == 0);
           }
