@@ -74,7 +74,11 @@ class RotaryEmbedding(nn.Module):
         """What rotates q and k this step, looked up once and shared by every layer."""
         if self.fused:
             return FusedRotary(self.cos_cache, self.sin_cache, positions)
-        if dtype == torch.float32 and cpu_extension.takes(self.cos_cache):
+        if (  # in place: eager steps only (a traced graph keeps the formula, fused by inductor)
+            dtype == torch.float32
+            and cpu_extension.takes(self.cos_cache)
+            and not torch.compiler.is_compiling()
+        ):
             return FusedRotary(self.cos_cache, self.sin_cache, positions, cpu=True)
         cos = self.cos_cache[positions].unsqueeze(1).to(dtype)  # [num_tokens, 1, head_dim]
         sin = self.sin_cache[positions].unsqueeze(1).to(dtype)

@@ -1,8 +1,9 @@
 """The CPU kernels around a step's products (`kernels/cpu/elementwise.cpp`): SiLU-and-mul, RMSNorm
 with and without the residual add, and the rotary embedding in place each equal torch's formula (the
 layers' own eager path) to float32 rounding, at widths with and without a SIMD tail, on rows of any
-stride, the same bits on any number of threads; the layers take them on eager float32 CPU steps and
-not while a graph is traced; inputs they cannot read are errors, not wrong numbers.
+stride, the same bits on any number of threads; the layers take them on eager float32 CPU steps,
+and traced graphs call them as ops but for the rotary (in place: eager only); inputs they cannot
+read are errors, not wrong numbers.
 """
 
 from __future__ import annotations
@@ -132,17 +133,36 @@ def test_layers_take_the_kernels_on_eager_float32_cpu_steps(kernels_off):
     torch.testing.assert_close(got, want, **TOL)
 
 
-def test_traced_graphs_keep_the_torch_formulas():
-    seen = []
+def test_traced_graphs_call_the_kernels_but_the_rotary():
+    graphs = []
 
-    def step(gate_up):
-        seen.append(cpu_extension.takes(gate_up))
-        return silu_and_mul(gate_up)
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
 
-    gate_up = torch.randn(4, 32)
-    out = torch.compile(step, backend="eager", fullgraph=True)(gate_up)
-    assert seen == [False]
-    torch.testing.assert_close(out, F.silu(gate_up[:, :16]) * gate_up[:, 16:], **TOL)
+    norm = RMSNorm(32, 1e-6)
+    norm.weight.data.uniform_(0.5, 1.5)
+    rope = RotaryEmbedding(16, 32, RopeConfig(theta=10000.0))
+
+    def step(gate_up, x, residual, heads, positions):
+        angles = rope(positions, torch.float32)
+        return silu_and_mul(gate_up), norm(x, residual), norm.norm(heads), angles.cos
+
+    args = (torch.randn(4, 64), torch.randn(4, 32), torch.randn(4, 32), torch.randn(4, 2, 32))
+    got = torch.compile(step, backend=keep, fullgraph=True)(*args, torch.arange(4))
+    (graph,) = graphs
+    called = " ".join(str(n.target) for n in graph.graph.nodes if n.op == "call_function")
+    for op in ("silu_and_mul", "add_rms_norm", "rms_norm"):  # rms_norm: the per-head norms
+        assert f"metrale_cpu.{op}" in called
+    assert "rotary" not in called  # it writes q and k in place: eager steps only
+    gate_up, x, residual, heads = args
+    gate, up = gate_up.chunk(2, dim=-1)
+    sum_ = x + residual
+    want_norm = norm.weight * F.rms_norm(sum_, (32,), eps=1e-6)
+    torch.testing.assert_close(got[0], F.silu(gate) * up, **TOL)
+    torch.testing.assert_close(got[1], (want_norm, sum_), **TOL)
+    torch.testing.assert_close(got[2], norm.weight * F.rms_norm(heads, (32,), eps=1e-6), **TOL)
+    torch.testing.assert_close(got[3], _angles(rope, torch.arange(4))[0], **TOL)
 
 
 def test_inputs_it_cannot_read_are_errors():

@@ -2,7 +2,7 @@
 // eager torch takes two to five (kernels/cpu_extension.py builds this): SiLU-and-mul, the
 // residual add with RMSNorm, and the rotary embedding of q and k in place. Eager steps call
 // them (prompt chunks chiefly: a 16 x 128-token prefill of peers.md's 33.6M Llama spends ~50 ms
-// in these operators); compiled decode steps keep torch's formulas, which inductor fuses. Rows
+// in these operators), compiled decode steps all but the rotary (cpu_extension.takes). Rows
 // claimed in runs by torch's threads (task_claims.h); at::vec's SIMD width is the one
 // cpu_extension.py compiles for.
 #include <ATen/ATen.h>
