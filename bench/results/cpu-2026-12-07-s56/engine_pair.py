@@ -6,26 +6,15 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, "/work/main/bench")
-from pathlib import Path
+from common import engine
+from profile_cpu import add
 
-from profile_cpu import add, checkpoint
-
-from metrale import LLM
-
-model = checkpoint(Path("/work/main/bench/.cache/llama-34m"))
 STREAMS = int(os.environ.get("STREAMS", "16"))
 envs = [dict(kv.split("=") for kv in e.split(",") if kv) for e in sys.argv[1:3]]
 llms = []
 for e in envs:
     os.environ.update(e)
-    llm = LLM(
-        str(model),
-        dtype="float32",
-        max_seq_len=2048,
-        enable_prefix_caching=False,
-        max_prefill_tokens=2048,
-    )
+    llm = engine()
     add(llm, 16, "warm")
     for _ in range(140):
         llm.engine.step()  # compile under its env

@@ -6,21 +6,10 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, "/work/main/bench")
-from pathlib import Path
+from common import engine
+from profile_cpu import add
 
-from profile_cpu import add, checkpoint
-
-from metrale import LLM
-
-model = checkpoint(Path("/work/main/bench/.cache/llama-34m"))
-llm = LLM(
-    str(model),
-    dtype="float32",
-    max_seq_len=2048,
-    enable_prefix_caching=False,
-    max_prefill_tokens=2048,
-)
+llm = engine()
 core = llm.engine
 res = {"0": [], "1": []}
 for cycle in range(int(sys.argv[1]) if len(sys.argv) > 1 else 6):

@@ -7,31 +7,10 @@ import sys
 import time
 
 import psutil
+from common import cpu_seconds, serve_command
+from peer_cpu import load, server
 
-sys.path.insert(0, "/work/main/bench")
-from pathlib import Path
-
-from peer_cpu import commands, free_port, load, server, text_prompts
-from profile_cpu import checkpoint
-
-model = checkpoint(Path("/work/main/bench/.cache/llama-34m"))
-prompts = text_prompts(model, 32)
-
-
-class A:
-    dtype = "float32"
-    vllm_python = None
-    llamacpp_python = None
-
-
-extra = sys.argv[1:]
-port = free_port()
-cmd = commands(model, None, port, A)["metrale"] + extra
-
-
-def cpu(p):
-    t = p.cpu_times()
-    return t.user + t.system
+cmd, port, prompts = serve_command(sys.argv[1:])
 
 
 with server(cmd, port, {}) as base:
@@ -52,11 +31,11 @@ with server(cmd, port, {}) as base:
             **{f"child{i}:{' '.join(k.cmdline()[:3])[:40]}": k for i, k in enumerate(kids)},
             "client": me,
         }
-        before = {n: cpu(p) for n, p in procs.items()}
+        before = {n: cpu_seconds(p) for n, p in procs.items()}
         t = time.perf_counter()
         row = asyncio.run(load(base, prompts, 16, "metrale"))
         wall = time.perf_counter() - t
-        after = {n: cpu(p) for n, p in procs.items()}
+        after = {n: cpu_seconds(p) for n, p in procs.items()}
         print(
             json.dumps(row),
             f"wall {wall:.2f}s",

@@ -3,33 +3,12 @@ pinned to cores, alternating (README.md, section 3)."""
 
 import asyncio
 import os
-import sys
 
 import psutil
+from common import cpu_seconds, serve_command
+from peer_cpu import load, server
 
-sys.path.insert(0, "/work/main/bench")
-from pathlib import Path
-
-from peer_cpu import commands, free_port, load, server, text_prompts
-from profile_cpu import checkpoint
-
-model = checkpoint(Path("/work/main/bench/.cache/llama-34m"))
-prompts = text_prompts(model, 32)
-
-
-class A:
-    dtype = "float32"
-    vllm_python = None
-    llamacpp_python = None
-
-
-port = free_port()
-cmd = commands(model, None, port, A)["metrale"]
-
-
-def cpu(p):
-    t = p.cpu_times()
-    return t.user + t.system
+cmd, port, prompts = serve_command([])
 
 
 def threads(p):
@@ -43,7 +22,7 @@ with server(cmd, port, {}) as base:
         for p in psutil.process_iter(["cmdline"])
         if p.info["cmdline"] and str(port) in " ".join(p.info["cmdline"])
     )
-    engine = max(api.children(recursive=True), key=cpu)
+    engine = max(api.children(recursive=True), key=cpu_seconds)
     asyncio.run(load(base, prompts[:2], 2, "metrale"))
     t0 = threads(engine)
     asyncio.run(load(base, prompts[:16], 16, "metrale"))

@@ -8,11 +8,11 @@ import time
 sys.path.insert(0, "/work/main/bench")
 from pathlib import Path
 
+import offline_streams
 from peer_cpu import text_prompts
 from profile_cpu import checkpoint
 
-from metrale import LLM, SamplingParams
-from metrale.engine.messages import EngineRequest
+from metrale import LLM
 from metrale.tokenizer import Tokenizer
 
 model = checkpoint(Path("/work/main/bench/.cache/llama-34m"))
@@ -37,25 +37,8 @@ sched.schedule = schedule
 
 
 def run(ps, streams):
-    params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
-    waiting = iter(enumerate(ps))
-
-    def add_next():
-        for i, p in waiting:
-            core.add_request(EngineRequest(f"o{time.monotonic_ns()}-{i}", p, params, 0.0))
-            return True
-        return False
-
     start = time.perf_counter()
-    live = sum(add_next() for _ in range(streams))
-    tokens = 0
-    while live:
-        for o in core.step():
-            tokens += len(o.new_token_ids)
-            if o.finish_reason is not None:
-                live -= 1
-                live += add_next()
-    return tokens / (time.perf_counter() - start), start
+    return offline_streams.run(llm, ps, streams, 128), start
 
 
 run(prompts[:2], 2)
