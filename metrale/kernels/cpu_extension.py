@@ -84,11 +84,15 @@ def _vector_width() -> list[str]:
     return []
 
 
-@torch.compiler.assume_constant_result  # traced graphs take it as it is when they compile
+_enabled_when_asked = False  # enabled()'s last answer: what a graph being traced takes (`takes`)
+
+
 def enabled() -> bool:
     """Whether the CPU kernels run: built (`available`) and not turned off by
     METRALE_CPU_KERNELS=0."""
-    return envs.cpu_kernels() and available()
+    global _enabled_when_asked
+    _enabled_when_asked = envs.cpu_kernels() and available()
+    return _enabled_when_asked
 
 
 def extension_name() -> str:
@@ -253,7 +257,12 @@ def takes(x: torch.Tensor) -> bool:
     as they are too (a 16-row step of peers.md's 33.6M Llama ~2% faster than with inductor's
     fusions of torch's formulas: two engines stepped alternately in one process); `rotary_`, which
     writes q and k in place, only eager steps (`RotaryEmbedding.forward`)."""
-    return x.device.type == "cpu" and x.dtype == torch.float32 and enabled()
+    if x.device.type != "cpu" or x.dtype != torch.float32:
+        return False
+    # A graph being traced takes the answer the eager steps before it got (the engine asks while
+    # it loads): dynamo cannot trace the build's cache, and marking `enabled` constant for it
+    # would import dynamo, and with it triton, wherever this module is imported.
+    return _enabled_when_asked if torch.compiler.is_compiling() else enabled()
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

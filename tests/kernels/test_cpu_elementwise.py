@@ -8,6 +8,9 @@ read are errors, not wrong numbers.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -149,6 +152,7 @@ def test_traced_graphs_call_the_kernels_but_the_rotary():
         return silu_and_mul(gate_up), norm(x, residual), norm.norm(heads), angles.cos
 
     args = (torch.randn(4, 64), torch.randn(4, 32), torch.randn(4, 32), torch.randn(4, 2, 32))
+    assert cpu_extension.takes(args[0])  # eagerly, as an engine asks while it loads
     got = torch.compile(step, backend=keep, fullgraph=True)(*args, torch.arange(4))
     (graph,) = graphs
     called = " ".join(str(n.target) for n in graph.graph.nodes if n.op == "call_function")
@@ -163,6 +167,19 @@ def test_traced_graphs_call_the_kernels_but_the_rotary():
     torch.testing.assert_close(got[1], (want_norm, sum_), **TOL)
     torch.testing.assert_close(got[2], norm.weight * F.rms_norm(heads, (32,), eps=1e-6), **TOL)
     torch.testing.assert_close(got[3], _angles(rope, torch.arange(4))[0], **TOL)
+
+
+def test_importing_the_layers_and_kernels_imports_neither_dynamo_nor_triton():
+    # A CPU server starts without them; and triton imported before TRITON_INTERPRET is set (as
+    # this suite sets it) defines its language's helpers uninterpreted, which broke every
+    # interpreted kernel test after it when marking `enabled` constant imported dynamo.
+    code = (
+        "import sys, metrale.kernels.cpu_extension, metrale.layers.layernorm, "
+        "metrale.layers.rotary, metrale.layers.activation; "
+        "print([m for m in ('torch._dynamo', 'triton') if m in sys.modules])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
 
 
 def test_inputs_it_cannot_read_are_errors():
