@@ -208,7 +208,9 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels,
           for (int64_t q = p; q < last; q += whole ? kWide : 1) {
             const int64_t cols = std::min<int64_t>((whole ? kWide : 1) * kLanes, N - q * kLanes);
             // rows <= group_rows, which the tables cover
-            const PanelRows kernel = whole ? kWideKernels[rows] : wide ? kWideRest[rows] : kOne[rows];
+            const PanelRows kernel = whole  ? kWideKernels[rows]
+                                     : wide ? kWideRest[rows]
+                                            : kOne[rows];
             kernel(xg, ldx, w + q * K * kLanes, K, o + first * N + q * kLanes, N, cols,
                    bp == nullptr ? nullptr : bp + q * kLanes, g == 0);
           }
