@@ -13,6 +13,10 @@ ops (`metrale_cpu::*`) eager code and compiled graphs call as they are:
   with an online softmax, for the eager steps of several decodes (`torch_backend.py`), which
   otherwise gather every row's blocks into a padded copy and then run SDPA over it, and for the
   compiled steps of several rows.
+- `paged_prefill_attention`: the prompt chunks of an eager step attending over the paged cache
+  in place, every chunk of the step in one call (the torch path gathers each chunk's blocks and
+  runs SDPA a chunk at a time): a task is one KV head's query rows of a few tokens, held
+  transposed so the online softmax works on a SIMD vector of rows at a time.
 - `panel_linear`: float32 products of several rows (a decode step of several streams, a prompt's
   chunk) over a weight packed in panels of output columns (`pack_panels`, layers/linear.py),
   each panel streamed from memory once with its next rows prefetched: 2-16 rows of peers.md's
@@ -242,6 +246,30 @@ def paged_decode_attention(
     return torch.ops.metrale_cpu.paged_decode_attention(
         q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window or 0
     )
+
+
+def paged_prefill_attention(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_starts: torch.Tensor,
+    query_lens: torch.Tensor,
+    start_positions: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+) -> None:
+    """Prompt chunks attending over the paged caches, written into `out`'s rows of them: chunk i
+    is q's rows `query_starts[i]` onward (`query_lens[i]` tokens, [tokens, heads, D]) at positions
+    `start_positions[i]` onward, its keys already stored; each token sees its sequence's slots
+    (block table int64 [seqs, max_blocks]) up to its own position, the last `sliding_window` of
+    them if set. Dtypes and layouts as `paged_decode_attention`'s; rows of q outside the chunks
+    are left as they are in `out`."""
+    torch.ops.metrale_cpu.paged_prefill_attention(
+        out, q, k_cache, v_cache, block_tables, query_starts, query_lens, start_positions, scale,
+        sliding_window or 0,
+    )  # fmt: skip
 
 
 def attends_in_place(cache_dtype: torch.dtype, head_dim: int) -> bool:
