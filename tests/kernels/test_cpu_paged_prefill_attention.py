@@ -66,7 +66,9 @@ def chunks(lens, positions, num_blocks, max_blocks, gap=3, seed=0):
 
 
 def rows_of(starts, lens):
-    return torch.cat([torch.arange(s, s + n) for s, n in zip(starts.tolist(), lens.tolist())])
+    return torch.cat(
+        [torch.arange(s, s + n) for s, n in zip(starts.tolist(), lens.tolist(), strict=True)]
+    )
 
 
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (8, 4), (6, 2)])
