@@ -31,3 +31,13 @@ def make_paged_cache(
     k_cache = torch.randn(shape).to(dtype=cache_dtype or dtype, device=device)
     v_cache = torch.randn(shape).to(dtype=cache_dtype or dtype, device=device)
     return k_cache, v_cache, block_tables.to(dtype=index_dtype, device=device)
+
+
+def random_pool(
+    num_blocks: int, block_size: int, kv_heads: int, head_dim: int, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 key and value pools [num_blocks, block_size, kv_heads, head_dim] of random values,
+    as the CPU attention kernels read them."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    return torch.randn(shape, generator=g), torch.randn(shape, generator=g)

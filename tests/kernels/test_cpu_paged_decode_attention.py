@@ -15,15 +15,14 @@ import torch.nn.functional as F
 
 from metrale.kernels import cpu_extension
 from tests.conftest import needs_cpu_kernels
+from tests.kernels.paged_cache import random_pool
 
 pytestmark = needs_cpu_kernels
 BLOCK = 16
 
 
 def pool(num_blocks: int, kv_heads: int, head_dim: int, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    shape = (num_blocks, BLOCK, kv_heads, head_dim)
-    return torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+    return random_pool(num_blocks, BLOCK, kv_heads, head_dim, seed)
 
 
 def reference(q, k_cache, v_cache, block_tables, seq_lens, scale, window):

@@ -10,9 +10,9 @@ import statistics
 import sys
 import time
 
-from common import engine
-
 sys.path.insert(0, "/work/main/bench")
+sys.path.insert(0, "/work/main/bench/results/cpu-2026-12-07-s56")
+from common import engine
 from profile_cpu import add
 
 STREAMS = int(os.environ.get("STREAMS", "16"))

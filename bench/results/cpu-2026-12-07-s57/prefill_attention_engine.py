@@ -8,12 +8,9 @@ import sys
 
 sys.path.insert(0, "/work/main/bench")
 import offline_streams
-from common import MODEL
-from peer_cpu import text_prompts
+from requests16 import chunked_engine, token_prompts
 
-from metrale import LLM
 from metrale.layers.attention import torch_backend
-from metrale.tokenizer import Tokenizer
 
 in_place = torch_backend.PromptChunks.attend
 
@@ -26,15 +23,8 @@ def apart(self, layer, q, out):
         ).squeeze(0)
 
 
-tok = Tokenizer.from_dir(MODEL)
-prompts = [tok.encode(p, add_special_tokens=False) for p in text_prompts(MODEL, 32)]
-llm = LLM(
-    str(MODEL),
-    dtype="float32",
-    max_seq_len=2048,
-    enable_prefix_caching=False,
-    max_prefill_tokens=256,
-)
+prompts = token_prompts()
+llm = chunked_engine()
 offline_streams.run(llm, prompts[:4], 4, 16)
 rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 4
 results = {"sdpa": [], "in place": []}

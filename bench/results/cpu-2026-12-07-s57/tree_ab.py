@@ -9,23 +9,12 @@ import sys
 
 sys.path.insert(0, "/work/main/bench")
 import offline_streams
-from peer_cpu import text_prompts
-from profile_cpu import checkpoint
+from requests16 import chunked_engine, token_prompts
 
 import metrale
-from metrale import LLM
-from metrale.tokenizer import Tokenizer
 
-MODEL = checkpoint(__import__("pathlib").Path("/work/main/bench/.cache/llama-34m"))
-tok = Tokenizer.from_dir(MODEL)
-prompts = [tok.encode(p, add_special_tokens=False) for p in text_prompts(MODEL, 32)]
-llm = LLM(
-    str(MODEL),
-    dtype="float32",
-    max_seq_len=2048,
-    enable_prefix_caching=False,
-    max_prefill_tokens=256,
-)
+prompts = token_prompts()
+llm = chunked_engine()
 offline_streams.run(llm, prompts[:4], 4, 16)
 root = metrale.__file__.rsplit("/metrale/", 1)[0]
 sha = (

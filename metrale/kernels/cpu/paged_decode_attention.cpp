@@ -9,6 +9,7 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include "paged_cache.h"
 #include "task_claims.h"
 
 #include <algorithm>
@@ -18,7 +19,8 @@
 
 namespace {
 
-using Vec = at::vec::Vectorized<float>;
+using metrale_cpu::Vec;
+using metrale_cpu::widen;
 
 constexpr int64_t kLanes = 16;
 // exp(x) for x <= 0, 0 below -80: past that a weight is under 2e-35 of the largest (nothing to a
@@ -29,18 +31,6 @@ inline float weight_of(float x) { return x < -80.f ? 0.f : std::exp(x); }
 // The lanes' sum, by shuffles.
 inline float sum_of(const Vec& v) {
   return at::vec::vec_reduce_all<float>([](const Vec& x, const Vec& y) { return x + y; }, v);
-}
-
-// Vec::size() values of a cache or q, as float32.
-template <typename T>
-inline Vec widen(const T* p) {
-  Vec v;
-  at::vec::load_to_float<T>(p, v);
-  return v;
-}
-template <>
-inline Vec widen<float>(const float* p) {
-  return Vec::loadu(p);
 }
 
 // a . b over d values (d a multiple of kLanes): one SIMD partial sum, reduced by shuffles. A
@@ -202,19 +192,9 @@ void attend_rows(const at::Tensor& qc, const at::Tensor& k_cache, const at::Tens
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                   const at::Tensor& v_cache, const at::Tensor& block_tables,
                                   const at::Tensor& seq_lens, double scale, int64_t window) {
+  metrale_cpu::check_paged_caches(q, k_cache, v_cache, kLanes);
   const auto dtype = k_cache.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
-              "the caches must hold float32, bfloat16 or float16");
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == dtype, "q must be [rows, heads, D] of the "
-              "caches' dtype");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
-                  v_cache.scalar_type() == dtype && v_cache.is_contiguous(),
-              "the caches must be [blocks, block_size, kv_heads, D] of one dtype, contiguous");
-  const int64_t rows = q.size(0), heads = q.size(1), d = q.size(2);
-  const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == d && d % kLanes == 0, "head size ", d, " (a multiple of ",
-              kLanes, ", the caches' too)");
-  TORCH_CHECK(heads % kv_heads == 0, heads, " query heads over ", kv_heads, " KV heads");
+  const int64_t rows = q.size(0), block_size = k_cache.size(1);
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == rows &&
                   block_tables.scalar_type() == at::kLong,
               "block_tables must be int64 [rows, max_blocks]");

@@ -18,6 +18,7 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include "paged_cache.h"
 #include "task_claims.h"
 
 #include <algorithm>
@@ -27,7 +28,8 @@
 
 namespace {
 
-using Vec = at::vec::Vectorized<float>;
+using metrale_cpu::Vec;
+using metrale_cpu::widen;
 constexpr int64_t L = Vec::size();
 constexpr int64_t R = 2 * L;  // a task's rows: two vectors
 
@@ -48,6 +50,17 @@ inline Vec in_register(Vec v) {
 #endif
 }
 
+// acc[2i] += x[i] * a and acc[2i + 1] += x[i] * b, i < 4: two vectors of rows by four values
+// (four keys' values at one d for the scores; one key's values at four d for the output), each
+// value broadcast once and each vector used four times.
+inline void multiply_add_2x4(Vec (&acc)[8], const Vec& a, const Vec& b, const float (&x)[4]) {
+  for (int64_t i = 0; i < 4; ++i) {
+    const Vec xi(x[i]);
+    acc[2 * i] = at::vec::fmadd(xi, a, acc[2 * i]);
+    acc[2 * i + 1] = at::vec::fmadd(xi, b, acc[2 * i + 1]);
+  }
+}
+
 // The sequences' layout in the step: rows of q, positions, block tables.
 struct Chunks {
   const int64_t* starts;     // [seqs] first row of q
@@ -62,18 +75,6 @@ struct Chunks {
 struct Task {
   int64_t seq, kv, first_row;
 };
-
-// Vec::size() values of a cache or q, as float32.
-template <typename T>
-inline Vec widen(const T* p) {
-  Vec v;
-  at::vec::load_to_float<T>(p, v);
-  return v;
-}
-template <>
-inline Vec widen<float>(const float* p) {
-  return Vec::loadu(p);
-}
 
 // Keys of one block as float32 [n, D] rows (16-bit caches widened once a block and task; float32
 // read where they lie).
@@ -109,7 +110,8 @@ void attend_chunks(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
 
   metrale_cpu::parallel_claims(static_cast<int64_t>(tasks.size()), 1,
                                [&](metrale_cpu::TaskClaims& claims) {
-    std::vector<float> qt(d * R), ot(d * R), staged(R * d), weights(block_size * R), keys, values;
+    std::vector<float> qt(d * R), ot(d * R), staged(R * d), keys, values;
+    std::vector<float> weights((block_size + 3) * R);  // a block's scores, and 3 keys' spare
     if (!std::is_same_v<T, float>) {
       keys.resize(block_size * d);
       values.resize(block_size * d);
@@ -163,27 +165,21 @@ void attend_chunks(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
           for (; t < n; t += 4) {
             const int64_t keys_now = std::min<int64_t>(4, n - t);
             const float* k0 = kb + t * kv_stride;
-            // Past the block's last key, the last one again (its scores unused).
+            // Past the block's last key, the last one again (its scores are not read).
             const float* k1 = kb + (t + std::min<int64_t>(1, keys_now - 1)) * kv_stride;
             const float* k2 = kb + (t + std::min<int64_t>(2, keys_now - 1)) * kv_stride;
             const float* k3 = kb + (t + std::min<int64_t>(3, keys_now - 1)) * kv_stride;
-            Vec a0(0.f), a1(0.f), a2(0.f), a3(0.f), b0(0.f), b1(0.f), b2(0.f), b3(0.f);
+            Vec scores[8] = {Vec(0.f), Vec(0.f), Vec(0.f), Vec(0.f),
+                             Vec(0.f), Vec(0.f), Vec(0.f), Vec(0.f)};
             for (int64_t j = 0; j < d; ++j) {
               const Vec qa = in_register(Vec::loadu(qt.data() + j * R));
               const Vec qb = in_register(Vec::loadu(qt.data() + j * R + L));
-              const Vec x0(k0[j]), x1(k1[j]), x2(k2[j]), x3(k3[j]);
-              a0 = at::vec::fmadd(x0, qa, a0);
-              b0 = at::vec::fmadd(x0, qb, b0);
-              a1 = at::vec::fmadd(x1, qa, a1);
-              b1 = at::vec::fmadd(x1, qb, b1);
-              a2 = at::vec::fmadd(x2, qa, a2);
-              b2 = at::vec::fmadd(x2, qb, b2);
-              a3 = at::vec::fmadd(x3, qa, a3);
-              b3 = at::vec::fmadd(x3, qb, b3);
+              multiply_add_2x4(scores, qa, qb, {k0[j], k1[j], k2[j], k3[j]});
             }
+            // All eight stored (indexed by constants, they stay in registers): past the block's
+            // last key into the buffer's spare rows, never read.
             float* w = weights.data() + t * R;
-            const Vec scores[8] = {a0, b0, a1, b1, a2, b2, a3, b3};
-            for (int64_t k = 0; k < 2 * keys_now; ++k) scores[k].store(w + k * L);
+            for (int64_t k = 0; k < 8; ++k) scores[k].store(w + k * L);
           }
           // Keys past a row's position (or before its window) are -inf for it; the rows' new
           // maxima.
@@ -229,34 +225,21 @@ void attend_chunks(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
           // (each weight vector loaded serves four values of a key).
           for (int64_t j = 0; j < d; j += 4) {
             float* o = ot.data() + j * R;
-            Vec a0 = Vec::loadu(o) * rescale[0], b0 = Vec::loadu(o + L) * rescale[1];
-            Vec a1 = Vec::loadu(o + R) * rescale[0], b1 = Vec::loadu(o + R + L) * rescale[1];
-            Vec a2 = Vec::loadu(o + 2 * R) * rescale[0];
-            Vec b2 = Vec::loadu(o + 2 * R + L) * rescale[1];
-            Vec a3 = Vec::loadu(o + 3 * R) * rescale[0];
-            Vec b3 = Vec::loadu(o + 3 * R + L) * rescale[1];
+            Vec acc[8];
+            for (int64_t i = 0; i < 4; ++i) {
+              acc[2 * i] = Vec::loadu(o + i * R) * rescale[0];
+              acc[2 * i + 1] = Vec::loadu(o + i * R + L) * rescale[1];
+            }
             for (t = 0; t < n; ++t) {
               const Vec wa = in_register(Vec::loadu(weights.data() + t * R));
               const Vec wb = in_register(Vec::loadu(weights.data() + t * R + L));
               const float* v = vb + t * kv_stride + j;
-              const Vec x0(v[0]), x1(v[1]), x2(v[2]), x3(v[3]);
-              a0 = at::vec::fmadd(wa, x0, a0);
-              b0 = at::vec::fmadd(wb, x0, b0);
-              a1 = at::vec::fmadd(wa, x1, a1);
-              b1 = at::vec::fmadd(wb, x1, b1);
-              a2 = at::vec::fmadd(wa, x2, a2);
-              b2 = at::vec::fmadd(wb, x2, b2);
-              a3 = at::vec::fmadd(wa, x3, a3);
-              b3 = at::vec::fmadd(wb, x3, b3);
+              multiply_add_2x4(acc, wa, wb, {v[0], v[1], v[2], v[3]});
             }
-            a0.store(o);
-            b0.store(o + L);
-            a1.store(o + R);
-            b1.store(o + R + L);
-            a2.store(o + 2 * R);
-            b2.store(o + 2 * R + L);
-            a3.store(o + 3 * R);
-            b3.store(o + 3 * R + L);
+            for (int64_t i = 0; i < 4; ++i) {
+              acc[2 * i].store(o + i * R);
+              acc[2 * i + 1].store(o + i * R + L);
+            }
           }
         }
         // Out, transposed back: row r's values are its column of ot over total[r].
@@ -281,23 +264,15 @@ void paged_prefill_attention(at::Tensor& out, const at::Tensor& q, const at::Ten
                              const at::Tensor& v_cache, const at::Tensor& block_tables,
                              const at::Tensor& query_starts, const at::Tensor& query_lens,
                              const at::Tensor& start_positions, double scale, int64_t window) {
+  metrale_cpu::check_paged_caches(q, k_cache, v_cache, L);
   const auto dtype = k_cache.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
-              "the caches must hold float32, bfloat16 or float16");
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == dtype && q.stride(2) == 1 &&
-                  q.stride(1) == q.size(2),
-              "q must be [tokens, heads, D] of the caches' dtype, each token's heads contiguous");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2),
+              "q's tokens must hold their heads contiguous");
   TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == dtype && out.stride(2) == 1 &&
                   out.stride(1) == q.size(2),
               "out must be shaped and laid out as q");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
-                  v_cache.scalar_type() == dtype && v_cache.is_contiguous(),
-              "the caches must be [blocks, block_size, kv_heads, D] of one dtype, contiguous");
-  const int64_t tokens = q.size(0), heads = q.size(1), d = q.size(2);
+  const int64_t tokens = q.size(0), heads = q.size(1);
   const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == d && d % L == 0, "head size ", d, " (a multiple of ", L,
-              ", the caches' too)");
-  TORCH_CHECK(heads % kv_heads == 0, heads, " query heads over ", kv_heads, " KV heads");
   const int64_t seqs = query_starts.numel();
   for (const at::Tensor* t : {&query_starts, &query_lens, &start_positions}) {
     TORCH_CHECK(t->dim() == 1 && t->numel() == seqs && t->scalar_type() == at::kLong,
