@@ -29,13 +29,6 @@ of a 5-10 ms step on 2 cores, against a model whose modules do not change once t
 built. The guards on the step's inputs stay. An engine's code holds its two graphs, well
 under dynamo's limit of graphs a code object (8), which no longer needs raising for the
 process as it did while every engine's graphs shared one code object.
-
-Inductor writes each graph's wrapper, the code that allocates its buffers and calls its kernels
-and the C++ ops (the products, the attention, the norms), in C++ (`cpp_wrapper`), not Python:
-the Python wrapper spent ~10 us an op on dispatch and size checks, some 80 ops a step. 16 rows
-of peers.md's 33.6M Llama: 9.84 -> 8.89 ms a step, one row 5.51 -> 5.19 ms (two engines stepped
-alternately in one process); its first compile takes ~6 s longer (41 against 35 s to a ready
-engine with an empty cache), a cached start no longer (9.3 against 10.1 s).
 """
 
 from __future__ import annotations
@@ -76,10 +69,7 @@ class CompiledDecode:
             types.MethodType(_own_code(CompiledDecode._logits), self),
             dynamic=False,
             fullgraph=True,
-            options={
-                "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
-                "cpp_wrapper": True,
-            },
+            options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe},
         )
         self._warming_up = False
         kv = runner.kv_cache.kv
