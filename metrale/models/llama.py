@@ -82,8 +82,13 @@ class DecoderAttention(nn.Module):
         self.attn = Attention(config.num_heads_per_rank, config.num_kv_heads_per_rank, head_dim)
 
     def forward(
-        self, rope: RotaryAngles | FusedRotary, x: torch.Tensor, meta: AttentionMetadata
+        self,
+        rope: RotaryAngles | FusedRotary,
+        x: torch.Tensor,
+        meta: AttentionMetadata,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """Every row's keys and values stored; the output at `rows` (None: every row)."""
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, -1, self.head_dim)
@@ -92,7 +97,12 @@ class DecoderAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             rope = rope.with_head_norms(self.q_norm, self.k_norm)
         out = self.attn(q, k, v, meta, rope)  # [num_tokens, num_heads_per_rank, head_dim]
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        out = out.reshape(num_tokens, self.q_size)
+        if rows is not None:
+            out = out[rows]
+            if not len(rows):  # (o_proj's all-reduce skipped alike on every rank)
+                return out.new_empty(0, self.o_proj.out_features)
+        return self.o_proj(out)
 
 
 class DecoderMLP(nn.Module):
@@ -133,9 +143,16 @@ class DecoderLayer(nn.Module):
         x: torch.Tensor,
         residual: torch.Tensor | None,
         meta: AttentionMetadata,
+        rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mlp output, residual) at `rows` (None: every row); every row's keys and values are
+        stored either way."""
         x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(rope, x, meta)
+        x = self.self_attn(rope, x, meta, rows)
+        if rows is not None:
+            residual = residual[rows]
+            if not len(rows):
+                return x, residual
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -156,13 +173,20 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         rope = self.rotary(positions, x.dtype)
         residual = None
-        for layer in self.layers:
-            x, residual = layer(rope, x, residual, meta)
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            x, residual = layer(rope, x, residual, meta, rows if i == last else None)
+        if rows is not None and not len(rows):
+            return x
         return self.norm(x, residual)[0]
 
 
@@ -211,10 +235,18 @@ class LlamaForCausalLM(nn.Module):
         )
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Hidden states [num_tokens, hidden_size] of the step's flat batch."""
-        return self.model(input_ids, positions, meta)
+        """Hidden states [num_tokens, hidden_size] of the step's flat batch, or only those at
+        `rows` (the rows that sample: a prompt chunk's last). Every row's keys and values are
+        stored either way, and the last layer works past its attention on `rows` alone: the
+        other rows' outputs there feed nothing (llama.cpp's `inp_out_ids`). A row's result is
+        the same either way, up to the products' rounding at another row count."""
+        return self.model(input_ids, positions, meta, rows)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """The logits at `hidden`'s rows; under tensor parallelism on rank 0 only (None past it)."""

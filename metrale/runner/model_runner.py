@@ -206,11 +206,11 @@ class ModelRunner:
             self.num_compiled_steps += 1
         else:
             input_ids, positions, meta, logits_indices = self._prepare_inputs(chunks, scheduled)
-            hidden = self.model(input_ids, positions, meta)  # [num_tokens, hidden_size]
+            hidden = self.model(input_ids, positions, meta, _rows(logits_indices, input_ids))
             if not sampling_chunks:
                 self._record_inputs_copied()
                 return LaunchedStep([], None, None)
-            logits = self.model.compute_logits(hidden[logits_indices])
+            logits = self.model.compute_logits(hidden)
         metadata, first_rows = self.sampling.prepare(sampling_chunks, scheduled.has_drafts)
         self._record_inputs_copied()
         result = sample(logits.float(), metadata)
@@ -365,9 +365,10 @@ class ModelRunner:
             self.kv_cache.swap_in(step.swap_in)
         if step.batch is None:
             return
-        hidden = self.model(step.input_ids, step.positions, self.build_metadata(step.batch))
+        rows = _rows(step.logits_indices, step.input_ids)
+        hidden = self.model(step.input_ids, step.positions, self.build_metadata(step.batch), rows)
         if step.logits_indices.numel():
-            self.model.compute_logits(hidden[step.logits_indices])
+            self.model.compute_logits(hidden)
 
     def _copy_to_host(self, result: SamplerOutput, chunks: list[ScheduledChunk]) -> LaunchedStep:
         if self.device.type != "cuda":
@@ -461,3 +462,9 @@ def verify(
         rows.append(row + num_accepted)
         row += 1 + len(drafts)
     return token_ids, accepted, rows
+
+
+def _rows(logits_indices: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor | None:
+    """The rows whose hidden states the step needs (the model's `rows`): None where every row
+    samples (decode steps), so the model gathers nothing."""
+    return None if len(logits_indices) == len(input_ids) else logits_indices
