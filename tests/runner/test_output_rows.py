@@ -7,6 +7,9 @@ match transformers with prompts chunked so that some steps sample nothing.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -24,8 +27,22 @@ def model_dir(request, tmp_path_factory):
     return build_checkpoint(tmp_path_factory.mktemp(request.param), request.param)
 
 
-def rows_seen(module: torch.nn.Module, calls: list[int]):
-    return module.register_forward_hook(lambda _m, args, _out: calls.append(args[0].shape[0]))
+@contextlib.contextmanager
+def rows_seen(llm: LLM) -> Iterator[tuple[list[int], list[int]]]:
+    """The row count of each call of the first layer's MLP and of the last layer's."""
+    layers = llm.engine.runner.model.model.layers
+    first, last = [], []
+    hooks = [
+        layer.mlp.register_forward_hook(
+            lambda _m, args, _out, calls=calls: calls.append(len(args[0]))
+        )
+        for layer, calls in ((layers[0], first), (layers[-1], last))
+    ]
+    try:
+        yield first, last
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 def test_chunks_that_sample_nothing_skip_the_last_layers_mlp(model_dir):
@@ -39,14 +56,8 @@ def test_chunks_that_sample_nothing_skip_the_last_layers_mlp(model_dir):
         max_num_seqs=4,
         enable_prefix_caching=False,
     )
-    layers = llm.engine.runner.model.model.layers
-    first, last = [], []
-    hooks = [rows_seen(layers[0].mlp, first), rows_seen(layers[-1].mlp, last)]
-    try:
+    with rows_seen(llm) as (first, last):
         outputs = llm.generate(prompt, params, use_tqdm=False)
-    finally:
-        for hook in hooks:
-            hook.remove()
     # 40 prompt tokens in chunks of 16, 16 and 8 (only the last samples), then a row a step.
     assert first == [16, 16, 8] + [1] * (NEW_TOKENS - 1)
     assert last == [1] * NEW_TOKENS
@@ -57,14 +68,8 @@ def test_batched_prompts_keep_one_row_each_and_match_transformers(model_dir):
     prompts = prompts_of((5, 17, 40, 33, 1), seed=3)
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=5)
     llm = LLM(model_from_path=str(model_dir), dtype="float32", enforce_eager=True)
-    layers = llm.engine.runner.model.model.layers
-    first, last = [], []
-    hooks = [rows_seen(layers[0].mlp, first), rows_seen(layers[-1].mlp, last)]
-    try:
+    with rows_seen(llm) as (first, last):
         outputs = llm.generate(prompts, params, use_tqdm=False)
-    finally:
-        for hook in hooks:
-            hook.remove()
     assert first[0] == sum(map(len, prompts)) and last[0] == len(prompts)
     assert first[1:] == last[1:] == [len(prompts)] * (NEW_TOKENS - 1)
     check(outputs, hf_greedy(model_dir, prompts, NEW_TOKENS), "batched")

@@ -6,21 +6,11 @@ round in one process (README.md)."""
 import statistics
 import sys
 
-sys.path.insert(0, "/work/main/bench")
-sys.path.insert(0, "/work/main/bench/results/cpu-2026-12-07-s57")
 import offline_streams
-from requests16 import chunked_engine, token_prompts
+from forwards import engine_and_forwards
 
-prompts = token_prompts()
-llm = chunked_engine()
-model = llm.engine.runner.model
-kept_rows = model.forward
-
-
-def every_row(input_ids, positions, meta, rows=None):
-    """The forward before: every row through the last layer, the sampled ones picked after."""
-    hidden = kept_rows(input_ids, positions, meta)
-    return hidden if rows is None else hidden[rows]
+prompts, llm, model, forwards = engine_and_forwards()
+every_row, kept_rows = forwards["every row"], forwards["rows"]
 
 
 offline_streams.run(llm, prompts[:4], 4, 16)
