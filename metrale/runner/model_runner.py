@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,7 +33,7 @@ from metrale.engine.step import (
 from metrale.kernels import cpu_extension
 from metrale.layers.attention import AttentionMetadata, StepBatch, metadata_builder
 from metrale.runner.compiled_decode import CompiledDecode
-from metrale.runner.cuda_graphs import DecodeGraphs
+from metrale.runner.cuda_graphs import DecodeGraph, DecodeGraphs
 from metrale.runner.input_buffers import InputBuffers, to_device
 from metrale.runner.kv_cache import PagedKVCache, SwapTiming
 from metrale.runner.probe_steps import decode_probe, prefill_probe
@@ -197,22 +198,19 @@ class ModelRunner:
                 send_step(empty, empty, None, empty, scheduled.swap_out, scheduled.swap_in)
             return LaunchedStep([], None, None)
         graph = self.graphs.graph_for(chunks) if self.graphs is not None else None
-        if graph is not None:
-            self._fill_inputs(chunks, padded_num_seqs=graph.num_seqs)
-            logits = graph.replay()[: self._num_samples]  # a row per token: all sample
-            self.num_graph_replays += 1
-        elif self.compiled is not None and self.compiled.handles(chunks):
-            logits = self.compiled.run(self._fill_inputs(chunks))
-            self.num_compiled_steps += 1
-        else:
-            input_ids, positions, meta, logits_indices = self._prepare_inputs(chunks, scheduled)
-            hidden = self.model(input_ids, positions, meta, _rows(logits_indices, input_ids))
-            if not sampling_chunks:
-                self._record_inputs_copied()
-                return LaunchedStep([], None, None)
-            logits = self.model.compute_logits(hidden)
-        metadata, first_rows = self.sampling.prepare(sampling_chunks, scheduled.has_drafts)
+        forward = self._filled_forward(chunks, scheduled, graph)
+        # The sampler's inputs are copied before the forward is queued, so the event fires as
+        # soon as the device starts the step: with async scheduling the next step fills the
+        # buffers while this one runs, not after its forward (which idled the device for the
+        # host's whole fill, a few ms at 512 rows).
+        sampler_inputs = None
+        if sampling_chunks:
+            sampler_inputs = self.sampling.prepare(sampling_chunks, scheduled.has_drafts)
         self._record_inputs_copied()
+        logits = forward()
+        if sampler_inputs is None:
+            return LaunchedStep([], None, None)
+        metadata, first_rows = sampler_inputs
         result = sample(logits.float(), metadata)
         self.sampling.record(metadata, result.token_ids)
         self._last_samples = result.token_ids
@@ -224,6 +222,27 @@ class ModelRunner:
         step = self._copy_to_host(result, sampling_chunks)
         step.cuda_graph = graph is not None
         return step
+
+    def _filled_forward(
+        self, chunks: list[ScheduledChunk], scheduled: SchedulerOutput, graph: DecodeGraph | None
+    ) -> Callable[[], torch.Tensor | None]:
+        """Fill the step's inputs and copy them to the device; return the call that queues its
+        forward and gives the logits of its sampled rows (None where no row samples)."""
+        if graph is not None:
+            self._fill_inputs(chunks, padded_num_seqs=graph.num_seqs)
+            self.num_graph_replays += 1
+            return lambda: graph.replay()[: self._num_samples]  # a row per token: all sample
+        if self.compiled is not None and self.compiled.handles(chunks):
+            batch = self._fill_inputs(chunks)
+            self.num_compiled_steps += 1
+            return lambda: self.compiled.run(batch)
+        input_ids, positions, meta, logits_indices = self._prepare_inputs(chunks, scheduled)
+
+        def eager() -> torch.Tensor | None:
+            hidden = self.model(input_ids, positions, meta, _rows(logits_indices, input_ids))
+            return self.model.compute_logits(hidden) if len(logits_indices) else None
+
+        return eager
 
     def _record_inputs_copied(self) -> None:
         if self._inputs_copied is not None:

@@ -14,10 +14,13 @@ skips where there is a GPU.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
 from metrale import LLM, SamplingParams
+from metrale.engine.messages import EngineRequest
 from tests.conftest import build_checkpoint
 from tests.fidelity import EngineReference, assert_close_to_reference, hf_greedy
 
@@ -194,6 +197,37 @@ def test_async_scheduling_gives_the_sync_tokens(tmp_path):
         ]
         assert llm.engine.scheduler.kv_cache.pool.num_used_blocks == 0
     assert runs["async"] == runs["sync"]
+
+
+@pytest.mark.gpu
+def test_the_next_step_fills_its_inputs_while_the_forward_runs(tmp_path):
+    """A step's inputs event (which the next step's fill waits on) fires once its copies are
+    done, not after its forward: with the forward held on the device by a ~100 ms spin, the
+    event is done while the step is not (tests/runner/test_input_copies.py checks the order)."""
+    llm = LLM(
+        model_from_path=str(build_checkpoint(tmp_path, "llama")),
+        dtype="bfloat16",
+        device="cuda",
+        enforce_eager=True,
+        scheduler_config="async",
+    )
+    core, runner = llm.engine, llm.engine.runner
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    core.add_request(EngineRequest("held", prompts((24,))[0], params, 0.0))
+    hook = runner.model.register_forward_pre_hook(lambda *_: torch.cuda._sleep(200_000_000))
+    try:
+        core.step()  # launches the prompt's step and returns: async keeps it in flight
+        launched = core._in_flight[-1][1]
+        deadline = time.monotonic() + 0.05
+        while not runner._inputs_copied.query() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert runner._inputs_copied.query()
+        assert not launched.copied.query()
+    finally:
+        hook.remove()
+    while core.has_unfinished_requests():
+        core.step()
+    assert core.scheduler.kv_cache.pool.num_used_blocks == 0
 
 
 @pytest.mark.gpu
