@@ -720,14 +720,15 @@ def b3(results: dict) -> None:
     add_hf_reference(results["b3_llama_8b"], LLAMA_8B, prompts[:HF_BATCH], [1000] * HF_BATCH)
 
 
-def b3_swap(results: dict) -> None:
+B3_PREEMPTION_MODES = {"recompute": {}, "swap": {"swap_space_gb": B3_SWAP_SPACE_GB}}
+
+
+def b3_swap(results: dict, modes: tuple[str, ...] = tuple(B3_PREEMPTION_MODES)) -> None:
     """B3 with preempted requests swapped to host memory (`--swap-space-gb`, the costs measured
     at startup choosing per victim) against recompute only, in the same call."""
     params = [SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)] * 1000
-    for name, flags in (
-        ("recompute", {}),
-        ("swap", {"swap_space_gb": B3_SWAP_SPACE_GB}),
-    ):
+    for name in modes:
+        flags = B3_PREEMPTION_MODES[name]
         core, prompts = b3_engine_and_prompts(**flags)
         run(core, prompts[:8], [SamplingParams(max_tokens=8)] * 8)
         scheduler = core.scheduler
@@ -854,6 +855,13 @@ def main() -> None:
         "--no-transformers", action="store_true", help="skip the transformers references"
     )
     parser.add_argument("--b2-models", nargs="+", choices=list(B2_MODELS), default=list(B2_MODELS))
+    parser.add_argument(
+        "--b3-modes",
+        nargs="+",
+        choices=list(B3_PREEMPTION_MODES),
+        default=list(B3_PREEMPTION_MODES),
+        help="b3_swap's runs, in order",
+    )
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ROOT / "results")))
     args = parser.parse_args()
     global RUN_TRANSFORMERS
@@ -880,6 +888,8 @@ def main() -> None:
         try:
             if name == "b2":
                 b2(results, args.b2_models)
+            elif name == "b3_swap":
+                b3_swap(results, args.b3_modes)
             else:
                 globals()[name](results)
         except Exception as e:  # keep the other benchmarks' numbers
