@@ -193,6 +193,8 @@ class StepProfile:
     kernel_ms: float  # GPU work per step
     table: str  # the kernels, most time first
     host: str  # with host=True: the host's functions, most time first
+    idle_ms: float  # per step: the device doing nothing between its first and last work
+    gaps: str  # the longest of those idle stretches, with the work on each side
 
 
 def profile_steps(core: EngineCore, num_steps: int, rows: int, host: bool = False) -> StepProfile:
@@ -219,12 +221,40 @@ def profile_steps(core: EngineCore, num_steps: int, rows: int, host: bool = Fals
     host_text = io.StringIO()
     if host:
         pstats.Stats(host_profile, stream=host_text).sort_stats("tottime").print_stats(25)
+    idle_ms, gaps = device_gaps(prof.events())
     return StepProfile(
         wall_ms,
         device_ms(events) / num_steps,
         events.table(sort_by="self_cuda_time_total", row_limit=rows),
         host_text.getvalue(),
+        idle_ms / num_steps,
+        gaps,
     )
+
+
+def device_gaps(events, shown: int = 15) -> tuple[float, str]:
+    """Milliseconds the device sat idle between its first and last work (kernels and copies on
+    any stream) in a profile's events, and its `shown` longest idle stretches, each with the
+    work that ended before it and the work that began after it."""
+    cuda = torch.autograd.DeviceType.CUDA
+    work = sorted(
+        (e.time_range.start, e.time_range.end, e.name) for e in events if e.device_type == cuda
+    )
+    if not work:
+        return 0.0, ""
+    gaps = []
+    busy_until, last = work[0][1], work[0][2]
+    for start, end, name in work[1:]:
+        if start > busy_until:
+            gaps.append((start - busy_until, last, name))
+        if end > busy_until:
+            busy_until, last = end, name
+    idle_us = sum(g for g, _, _ in gaps)
+    span_us = busy_until - work[0][0]
+    lines = [f"device idle {idle_us / 1e3:.2f} of {span_us / 1e3:.2f} ms ({len(gaps)} gaps)"]
+    for gap, before, after in sorted(gaps, reverse=True)[:shown]:
+        lines.append(f"{gap:9.1f} us  after {before[:60]}  before {after[:60]}")
+    return idle_us / 1e3, "\n".join(lines)
 
 
 def profile(results: dict) -> None:
@@ -297,17 +327,23 @@ def profile_phase(core: EngineCore, label: str, skip: int, results: dict) -> Non
         len(core.scheduler.running),
         sum(r.num_computed_tokens for r in core.scheduler.running),
     ]
+    host = profile_steps(core, 3, rows=25, host=True).host  # apart: cProfile slows the host
     (out_dir / f"profile_{label}.txt").write_text(
         f"{label} step: {wall_ms:.2f} ms wall ({prof.wall_ms:.2f} ms profiled), "
-        f"{prof.kernel_ms:.2f} ms of kernels; {batch[0]} running requests, {batch[1]} "
-        f"computed tokens\n\n{prof.table}\n"
+        f"{prof.kernel_ms:.2f} ms of kernels, the device idle {prof.idle_ms:.2f} ms; {batch[0]} "
+        f"running requests, {batch[1]} computed tokens\n\n{prof.table}\n\n{prof.gaps}\n\n"
+        f"The host over three more steps (under cProfile):\n{host}\n"
     )
     results[f"profile_{label}"] = {
         "ms_per_step": wall_ms,
         "profiled_ms_per_step": prof.wall_ms,
         "kernel_ms_per_step": prof.kernel_ms,
+        "idle_ms_per_step": prof.idle_ms,
     }
-    print(f"{label}: {wall_ms:.2f} ms per step, kernels {prof.kernel_ms:.2f} ms, {batch}")
+    print(
+        f"{label}: {wall_ms:.2f} ms per step, kernels {prof.kernel_ms:.2f} ms, idle "
+        f"{prof.idle_ms:.2f} ms, {batch}"
+    )
 
 
 def profile_b5(results: dict) -> None:
