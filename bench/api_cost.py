@@ -38,7 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent
 REPO = ROOT.parent
 sys.path.insert(0, str(ROOT))
-from provenance import git_sha  # noqa: E402
+from provenance import git_sha, metrale_tree  # noqa: E402
 from serve_telemetry import (  # noqa: E402
     QWEN3_06B_BODY,
     _pin_tasks,
@@ -246,6 +246,7 @@ def main() -> None:
         json.dumps(
             {
                 "git": git_sha(),
+                "metrale_tree": metrale_tree(),
                 "packages": {n: str(p) for n, p in packages.items()},
                 "cpus": {"api": sorted(api_cpus), "engine_and_load": sorted(other_cpus)},
                 "args": {k: str(v) for k, v in vars(args).items()},

@@ -23,6 +23,7 @@ import time
 
 import torch
 from gpu_suite import QWEN3_06B, engine, release
+from provenance import metrale_tree
 
 from metrale.engine.messages import EngineRequest
 from metrale.sampling_params import SamplingParams
@@ -77,7 +78,16 @@ def main() -> None:
                 }
             )
     release(core)
-    print(json.dumps({"label": args.label, "sampling": vars(args), "rounds": rounds}))
+    print(
+        json.dumps(
+            {
+                "label": args.label,
+                "metrale_tree": metrale_tree(),
+                "sampling": vars(args),
+                "rounds": rounds,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ import msgspec
 import torch
 from gc_pauses import GcPauses
 from hf_reference import left_padded
-from provenance import git_sha
+from provenance import git_sha, metrale_tree
 from workload_floor import Device, ModelCosts, StepTrace, describe, matmul_flops, report
 
 from metrale.engine.core import EngineCore
@@ -908,6 +908,7 @@ def main() -> None:
     results: dict = {
         "date": datetime.date.today().isoformat(),
         "git_sha": git_sha(),
+        "metrale_tree": metrale_tree(),
         "device": torch.cuda.get_device_name(),
         "versions": versions(),
         "scheduling": args.scheduler_config,

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 import transformers
 from hf_reference import left_padded
-from provenance import git_sha
+from provenance import git_sha, metrale_tree
 
 from metrale import LLM, SamplingParams
 
@@ -193,6 +193,7 @@ def main() -> None:
         "benchmark": "offline_cpu",
         "date": datetime.date.today().isoformat(),
         "git_sha": git_sha(),
+        "metrale_tree": metrale_tree(),
         "machine": {
             "cpu": platform.processor() or platform.machine(),
             "cores": os.cpu_count(),

@@ -47,7 +47,7 @@ import httpx
 from llama_gguf import write_f32_gguf
 from peer_llamacpp import free_port, llamacpp_cmd, server
 from profile_cpu import checkpoint
-from provenance import git_sha
+from provenance import git_sha, metrale_tree
 
 from metrale.engine.allocator import tcmalloc_library
 
@@ -273,6 +273,7 @@ def main() -> None:
         "benchmark": "peer_cpu",
         "date": datetime.date.today().isoformat(),
         "git_sha": git_sha(),
+        "metrale_tree": metrale_tree(),
         "machine": f"{os.cpu_count()} CPUs",
         "vllm_both_cores": args.vllm_both_cores,
         "workload": {

@@ -42,7 +42,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-from provenance import git_sha
+from provenance import git_sha, metrale_tree
 
 ROOT = Path(__file__).resolve().parent
 CHATS = [
@@ -245,6 +245,7 @@ def main() -> None:
         "date": datetime.date.today().isoformat(),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
         "git_sha": git_sha(),
+        "metrale_tree": metrale_tree(),
         "file": str(gguf),
         "workload": {"output_len": OUTPUT_LEN, "agreement_tokens": AGREEMENT_TOKENS},
         "agreement_with_llamacpp": {

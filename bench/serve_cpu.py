@@ -37,7 +37,7 @@ from metrale import LLM, SamplingParams
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 from offline_cpu import build_checkpoint  # noqa: E402
-from provenance import git_sha  # noqa: E402
+from provenance import git_sha, metrale_tree  # noqa: E402
 
 NUM_STREAMS, PROMPT_LEN, OUTPUT_LEN = 32, 128, 128
 
@@ -171,6 +171,7 @@ def main() -> None:
         "benchmark": "serve_cpu",
         "date": datetime.date.today().isoformat(),
         "git_sha": git_sha(),
+        "metrale_tree": metrale_tree(),
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
         "versions": {"torch": torch.__version__, "python": platform.python_version()},
         "workload": {"streams": NUM_STREAMS, "prompt_len": PROMPT_LEN, "output_len": OUTPUT_LEN},

@@ -49,7 +49,7 @@ ROOT = Path(__file__).resolve().parent
 REPO = ROOT.parent
 sys.path.insert(0, str(ROOT))
 from gpu_suite import QWEN3_06B  # noqa: E402
-from provenance import git_sha  # noqa: E402
+from provenance import git_sha, metrale_tree  # noqa: E402
 from serve_cpu import one_stream  # noqa: E402
 
 # Qwen3-0.6B's body with the demo tokenizer's vocabulary, so every sampled id decodes.
@@ -536,6 +536,7 @@ def main() -> None:
         "benchmark": "serve_telemetry",
         "date": datetime.date.today().isoformat(),
         "git_sha": git_sha(),
+        "metrale_tree": metrale_tree(),
         "workload": {
             "streams": args.streams,
             "prompt_len": args.prompt_len,

@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 from gc_pauses import GcPauses  # noqa: E402
 from gpu_suite import LLAMA_8B  # noqa: E402
-from provenance import git_sha  # noqa: E402
+from provenance import git_sha, metrale_tree  # noqa: E402
 from serve_telemetry import (  # noqa: E402
     QWEN3_06B_BODY,
     Placement,
@@ -234,6 +234,7 @@ def main() -> None:
         "benchmark": "server_offline (B4)",
         "date": datetime.date.today().isoformat(),
         "git_sha": git_sha(),
+        "metrale_tree": metrale_tree(),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "model": "Llama-3.1-8B shape" if args.llama_8b else "Qwen3-0.6B shape",
         "workload": vars(args)

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 import torch
-from provenance import git_sha
+from provenance import git_sha, metrale_tree
 
 from metrale import LLM, SamplingParams
 
@@ -115,6 +115,7 @@ def main() -> None:
     results = {
         "date": datetime.date.today().isoformat(),
         "git_sha": git_sha(),
+        "metrale_tree": metrale_tree(),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "model": args.model,
         "dtype": args.dtype,

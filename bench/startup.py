@@ -34,7 +34,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 from gpu_suite import LLAMA_8B  # noqa: E402
-from provenance import git_sha  # noqa: E402
+from provenance import git_sha, metrale_tree  # noqa: E402
 from serve_telemetry import dummy_checkpoint, free_port, wait_healthy  # noqa: E402
 
 PHASE = re.compile(r"\[\s*(\d+)/\d+\] (.+?)\s+([\d.]+) s$", re.M)
@@ -128,6 +128,7 @@ def main() -> None:
     results = {
         "date": datetime.date.today().isoformat(),
         "git_sha": git_sha(),
+        "metrale_tree": metrale_tree(),
         "tree": os.environ.get("TREE", "this checkout"),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "model": "Llama-3.1-8B shape, dummy bf16 weights",

@@ -32,7 +32,7 @@ import statistics
 import time
 from pathlib import Path
 
-from provenance import git_sha
+from provenance import git_sha, metrale_tree
 
 from metrale.engine.messages import (
     EngineOutput,
@@ -183,6 +183,7 @@ def main() -> None:
         "benchmark": "telemetry_cost",
         "date": datetime.date.today().isoformat(),
         "git_sha": git_sha(),
+        "metrale_tree": metrale_tree(),
         "machine": {"cpu": platform.processor() or platform.machine()},
         "workload": {"streams": args.streams, "output_len": args.output_len, "rounds": args.rounds},
         "us_per_token_note": "each variant's API-side work per token, rounds in order",
