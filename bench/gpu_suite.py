@@ -151,6 +151,7 @@ def run_traced(
         trace.steps,
         ModelCosts.of(core),
         Device(bw["read_bytes_per_s"], bw["matmul_flops_per_s"]),
+        trace.wall_s,
     )
     floor["gc_s"] = pauses.seconds  # of the run's seconds, in Python's garbage collector
     print(describe(floor), f"({pauses.seconds:.3f} s in the garbage collector)")

@@ -1,7 +1,7 @@
 """A workload's floor on this device, step by step, and where a run spends the time above it.
 
 `StepTrace` records each engine step of a run: what it computed (prompt tokens, decode rows,
-the context tokens its attention reads, the rows it samples) and its wall time. A step's floor is
+the context tokens its attention reads, the rows it samples) and its time. A step's floor is
 the least time this device could take for that work:
 
     max(weights read once, matmul FLOPs at the measured rate) + KV bytes read at the bandwidth
@@ -9,13 +9,18 @@ the least time this device could take for that work:
 with the matmuls' FLOPs counted as 2 x parameters per token (the head only for sampled rows)
 plus a prompt's attention, 4 x context x heads x head_dim a token per layer; the KV read is
 every decode row's whole context (and a prompt chunk's context once) in the cache's dtype.
-Steps are kept in the order the engine ran them; with async scheduling a step's wall time is
-the time between two `step()` returns, so a step's time may fall on its neighbour, never
-outside the run.
+A step's time is its own time on the device (`ModelRunnerOutput.device_s`, from the runner's
+events, recorded when the engine collects the step; a GPU step that samples nothing has no
+end event, so it counts apart, untimed): with async scheduling the wall time of a `step()`
+call is step N+1's launch plus the wait for step N, so it would charge a long prompt step to
+the decode step after it. The run's wall time is kept apart; what it holds beyond the steps'
+device time is the device waiting on the host and the untimed steps (`host_bound_s`). Where
+the engine keeps no step times (`--disable-log-stats`), each call's wall time stands for the
+step it scheduled.
 
-`Floor.report` sums the steps by kind (with prompt tokens, decode-only by batch size) and gives
-each kind's wall time, floor and fraction: what the issue's "fraction of the floor reached"
-means, and where the rest is lost.
+`report` sums the steps by kind (with prompt tokens, decode-only by batch size) and gives each
+kind's device time, floor and what is lost above it; the run's fraction of the floor is its
+floor over its wall time: what the issue's "fraction of the floor reached" means.
 """
 
 from __future__ import annotations
@@ -35,7 +40,8 @@ class StepShape:
     sampled_rows: int  # rows the head runs on
     kv_read_tokens: int  # context tokens the step's attention reads, all chunks together
     prompt_attention_tokens: int  # sum over prompt tokens of the context each attends to
-    wall_s: float
+    seconds: float  # on the device (or, without step times, the wall time of its call)
+    timed: bool = True  # False: a GPU step that sampled nothing, whose time is unknown
 
 
 class StepTrace:
@@ -44,29 +50,33 @@ class StepTrace:
     def __init__(self, core: EngineCore) -> None:
         self.core = core
         self.steps: list[StepShape] = []
-        self._shapes: list[tuple[int, int, int, int, int]] = []
+        self.wall_s = 0.0  # the `step()` calls' wall time, all of them
+        self._pending: dict[int, tuple[int, int, int, int, int]] = {}  # scheduled, not collected
+        self._collected: list[tuple[tuple[int, int, int, int, int], float | None]] = []
+        self._scheduled: list[tuple[int, int, int, int, int]] = []
         self._times: list[float] = []
 
     def __enter__(self) -> StepTrace:
-        self._shapes, self._times = [], []
-        schedule = self._schedule = self.core.scheduler.schedule
+        self._pending, self._collected, self._scheduled, self._times = {}, [], [], []
+        scheduler = self.core.scheduler
+        schedule = self._schedule = scheduler.schedule
+        update = self._update = scheduler.update
 
         def recording_schedule():
             scheduled = schedule()
-            prompt = decode = sampled = kv = attention = 0
-            for c in scheduled.chunks:
-                end = c.start_pos + c.num_tokens
-                kv += end if not c.is_decode else c.num_tokens * (c.start_pos + 1)
-                sampled += c.samples
-                if c.is_decode:
-                    decode += 1
-                else:
-                    prompt += c.num_tokens
-                    attention += c.num_tokens * (c.start_pos + end + 1) // 2
-            self._shapes.append((prompt, decode, sampled, kv, attention))
+            shape = _shape(scheduled)
+            # Kept until collected, so `id` names this step alone while it is in flight.
+            self._pending[id(scheduled)] = shape
+            self._scheduled.append(shape)
             return scheduled
 
-        self.core.scheduler.schedule = recording_schedule
+        def recording_update(scheduled, result):
+            if (shape := self._pending.pop(id(scheduled), None)) is not None:
+                self._collected.append((shape, result.device_s))
+            return update(scheduled, result)
+
+        scheduler.schedule = recording_schedule
+        scheduler.update = recording_update
         return self
 
     def step(self) -> list:
@@ -77,10 +87,34 @@ class StepTrace:
         return outputs
 
     def __exit__(self, *exc) -> None:
-        self.core.scheduler.schedule = self._schedule
-        # A step that schedules nothing (all waiting on the one before) still takes time.
-        shapes = self._shapes + [(0, 0, 0, 0, 0)] * (len(self._times) - len(self._shapes))
+        scheduler = self.core.scheduler
+        scheduler.schedule, scheduler.update = self._schedule, self._update
+        self.wall_s = sum(self._times)
+        if any(d is not None for _, d in self._collected):
+            # A GPU step that samples nothing has no end event: it counts 0 here, its device
+            # time falls in `host_bound_s`, and its kind says so.
+            collected = self._collected
+            self.steps = [StepShape(*shape, d or 0.0, d is not None) for shape, d in collected]
+            return
+        # No step times: each call's wall time for the step it scheduled (a call that
+        # schedules nothing, all waiting on the one before, still takes time).
+        shapes = self._scheduled + [(0, 0, 0, 0, 0)] * (len(self._times) - len(self._scheduled))
         self.steps = [StepShape(*s, t) for s, t in zip(shapes, self._times, strict=False)]
+
+
+def _shape(scheduled) -> tuple[int, int, int, int, int]:
+    """(prompt tokens, decode rows, sampled rows, KV tokens read, prompt attention tokens)."""
+    prompt = decode = sampled = kv = attention = 0
+    for c in scheduled.chunks:
+        end = c.start_pos + c.num_tokens
+        kv += end if not c.is_decode else c.num_tokens * (c.start_pos + 1)
+        sampled += c.samples
+        if c.is_decode:
+            decode += 1
+        else:
+            prompt += c.num_tokens
+            attention += c.num_tokens * (c.start_pos + end + 1) // 2
+    return prompt, decode, sampled, kv, attention
 
 
 @dataclass(frozen=True)
@@ -142,6 +176,8 @@ class ModelCosts:
 
 
 def kind_of(s: StepShape) -> str:
+    if not s.timed:
+        return "untimed (samples nothing)"
     if s.prompt_tokens:
         return "with prompt tokens"
     if not s.decode_rows:
@@ -152,23 +188,25 @@ def kind_of(s: StepShape) -> str:
     return "decode, > 256 rows"
 
 
-def report(steps: list[StepShape], costs: ModelCosts, device: Device) -> dict:
-    """The run's floor and its fraction, in total and by kind of step."""
+def report(steps: list[StepShape], costs: ModelCosts, device: Device, wall_s: float) -> dict:
+    """The run's floor and its fraction of the run's `wall_s`, in total and by kind of step."""
     kinds: dict[str, dict[str, float]] = {}
     for s in steps:
-        k = kinds.setdefault(kind_of(s), {"steps": 0, "wall_s": 0.0, "floor_s": 0.0})
+        k = kinds.setdefault(kind_of(s), {"steps": 0, "seconds": 0.0, "floor_s": 0.0})
         k["steps"] += 1
-        k["wall_s"] += s.wall_s
+        k["seconds"] += s.seconds
         k["floor_s"] += costs.floor_s(s, device)
-    wall = sum(k["wall_s"] for k in kinds.values())
+    stepped = sum(k["seconds"] for k in kinds.values())
     floor = sum(k["floor_s"] for k in kinds.values())
     for k in kinds.values():
-        k["lost_s"] = k["wall_s"] - k["floor_s"]
+        k["lost_s"] = k["seconds"] - k["floor_s"]
     return {
         "steps": len(steps),
-        "wall_s": wall,
+        "wall_s": wall_s,
+        "step_s": stepped,  # the steps' own time (on the device, where the engine keeps it)
+        "host_bound_s": wall_s - stepped,  # the device waiting on the host, between steps
         "floor_s": floor,
-        "fraction_of_floor": floor / wall if wall else 0.0,
+        "fraction_of_floor": floor / wall_s if wall_s else 0.0,
         "kv_read_bytes": sum(s.kv_read_tokens for s in steps) * costs.kv_bytes_per_token,
         "by_kind": kinds,
     }
@@ -177,11 +215,12 @@ def report(steps: list[StepShape], costs: ModelCosts, device: Device) -> dict:
 def describe(r: dict) -> str:
     lines = [
         f"floor {r['floor_s']:.1f} s of {r['wall_s']:.1f} s in {r['steps']} steps "
-        f"({100 * r['fraction_of_floor']:.1f}% of the floor reached)"
+        f"({100 * r['fraction_of_floor']:.1f}% of the floor reached); the steps "
+        f"{r['step_s']:.1f} s, between them {r['host_bound_s']:.2f} s"
     ]
     for name, k in sorted(r["by_kind"].items(), key=lambda kv: -kv[1]["lost_s"]):
         lines.append(
-            f"  {name:22s} {int(k['steps']):6d} steps  wall {k['wall_s']:7.2f} s  floor "
+            f"  {name:22s} {int(k['steps']):6d} steps  time {k['seconds']:7.2f} s  floor "
             f"{k['floor_s']:7.2f} s  lost {k['lost_s']:6.2f} s"
         )
     return "\n".join(lines)
