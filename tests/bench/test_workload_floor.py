@@ -35,7 +35,9 @@ def test_each_step_gets_its_own_time_and_shape(tmp_path, scheduling):
     assert core.config.async_scheduling == (scheduling == "async")
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     for i, n in enumerate((50, 7, 20)):
-        core.add_request(EngineRequest(f"r{i}", list(range(100 * i + 3, 100 * i + 3 + n)), params, 0.0))
+        core.add_request(
+            EngineRequest(f"r{i}", list(range(100 * i + 3, 100 * i + 3 + n)), params, 0.0)
+        )
     core.step_stats.clear()
     with StepTrace(core) as trace:
         while core.has_unfinished_requests():
