@@ -16,7 +16,7 @@ from metrale.engine_args import EngineArgs
 from metrale.sampling_params import SamplingParams
 from tests.conftest import build_checkpoint
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+sys.path.append(str(Path(__file__).resolve().parents[2] / "bench"))  # last: shadows nothing
 from workload_floor import Device, ModelCosts, StepTrace, report
 
 
