@@ -41,37 +41,30 @@ def metrale_tree() -> str:
     """The short git tree hash of the `metrale` directory this interpreter imports."""
     spec = importlib.util.find_spec("metrale")
     assert spec is not None and spec.origin is not None, "metrale is not importable"
-    return tree_hash(Path(spec.origin).parent)[:12]
+    sha = tree_hash(Path(spec.origin).parent)
+    assert sha is not None, "the metrale package holds no files"
+    return sha[:12]
 
 
-def tree_hash(directory: Path) -> str:
+def tree_hash(directory: Path) -> str | None:
     """Git's object id of `directory` as a tree: what `git rev-parse <commit>:<path>` prints
-    when the commit holds exactly these files (ignored names skipped, empty directories too,
-    as git has no empty trees)."""
+    when the commit holds exactly these files (ignored names skipped); None where no file is
+    left, as git has no empty trees (such a subdirectory is no entry of its parent)."""
     entries = []
     for path in directory.iterdir():
         if path.name in _IGNORED_DIRS or path.name.endswith(_IGNORED_SUFFIXES):
             continue
         if path.is_dir():
-            if not (sha := _tree_hash_or_none(path)):
-                continue
-            entries.append((path.name + "/", b"40000 " + path.name.encode(), sha))
+            if (sha := tree_hash(path)) is not None:
+                entries.append((path.name + "/", b"40000 " + path.name.encode(), sha))
         elif path.is_file():
             mode = b"100755" if os.access(path, os.X_OK) else b"100644"
-            data = path.read_bytes()
-            sha = _object_id(b"blob", data)
+            sha = _object_id(b"blob", path.read_bytes())
             entries.append((path.name, mode + b" " + path.name.encode(), sha))
+    if not entries:
+        return None
     body = b"".join(head + b"\0" + bytes.fromhex(sha) for _, head, sha in sorted(entries))
     return _object_id(b"tree", body)
-
-
-def _tree_hash_or_none(directory: Path) -> str | None:
-    has_files = any(
-        p.is_file() and not p.name.endswith(_IGNORED_SUFFIXES)
-        for p in directory.rglob("*")
-        if not any(part in _IGNORED_DIRS for part in p.parts)
-    )
-    return tree_hash(directory) if has_files else None
 
 
 def _object_id(kind: bytes, data: bytes) -> str:
