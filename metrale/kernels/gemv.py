@@ -100,12 +100,13 @@ def gemv(
     bias: torch.Tensor | None = None,
     *,
     silu_and_mul: bool = False,
+    out_dtype: torch.dtype | None = None,
     block_n: int = _BLOCK_N,
     block_k: int | None = None,
     num_warps: int | None = None,
 ) -> torch.Tensor:
-    """x: [1, K]; weight: [N, K] with contiguous rows; bias: [N] or None. Returns [1, N] in x's
-    dtype, accumulated in fp32.
+    """x: [1, K]; weight: [N, K] with contiguous rows; bias: [N] or None. Returns [1, N] in
+    `out_dtype` (default x's dtype), accumulated in fp32.
 
     silu_and_mul: x is a [1, 2K] gate_up row and the product is of silu(gate) * up, computed as
     the columns load (one kernel fewer than `silu_and_mul` then `gemv`, same rounding).
@@ -118,7 +119,7 @@ def gemv(
     assert x.shape == (1, x_width), f"x must be [1, {x_width}], got {tuple(x.shape)}"
     assert x.stride(1) == 1 and weight.stride(1) == 1, "rows of x and weight must be contiguous"
     assert bias is None or bias.shape == (n,), f"bias must be [{n}]"
-    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    y = torch.empty((1, n), dtype=out_dtype or x.dtype, device=x.device)
     pdl = pdl_enabled(x.device)
     _gemv_kernel[(cdiv(n, block_n),)](
         x,

@@ -21,6 +21,7 @@ import torch
 
 from metrale import LLM, SamplingParams
 from metrale.engine.messages import EngineRequest
+from metrale.layers.linear import ParallelLMHead
 from tests.conftest import build_checkpoint
 from tests.fidelity import EngineReference, assert_close_to_reference, hf_greedy
 
@@ -228,6 +229,23 @@ def test_the_next_step_fills_its_inputs_while_the_forward_runs(tmp_path):
     while core.has_unfinished_requests():
         core.step()
     assert core.scheduler.kv_cache.pool.num_used_blocks == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 8])  # `gemv`, then cuBLAS
+@torch.inference_mode()
+def test_the_head_writes_float32_logits(rows):
+    """On the GPU the head's product writes its fp32 sums as the logits, not bf16 ones for the
+    sampler to widen."""
+    torch.manual_seed(rows)
+    head = ParallelLMHead(256, 1000, fused=True).to("cuda", torch.bfloat16)
+    torch.nn.init.normal_(head.weight)
+    x = torch.randn(rows, 256, device="cuda", dtype=torch.bfloat16)
+    logits = head(x)
+    assert logits.dtype == torch.float32 and logits.shape == (rows, 1000)
+    torch.testing.assert_close(logits, x.float() @ head.weight.float().t(), atol=1e-3, rtol=1e-4)
+    assert not torch.equal(logits, logits.bfloat16().float())
+    assert ParallelLMHead(256, 1000, fused=False).to("cuda", torch.bfloat16)(x).dtype == x.dtype
 
 
 @pytest.mark.gpu

@@ -56,3 +56,18 @@ def test_llama3_8b_shapes_bf16(device, n, k) -> None:
     x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
     w = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
     torch.testing.assert_close(gemv(x, w).float(), gemv_ref(x, w).float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("n,k", [(16, 64), (37, 300)])
+def test_float32_output_is_the_accumulator_unrounded(device, n, k) -> None:
+    """bf16 inputs, `out_dtype=float32` (the head's logits): the fp32 sums as they are, where
+    the default output rounds them to bf16."""
+    torch.manual_seed(n + k)
+    x = torch.randn(1, k, device=device).to(torch.bfloat16)
+    w = torch.randn(n, k, device=device).to(torch.bfloat16)
+    exact = x.float() @ w.float().t()
+    y = gemv(x, w, out_dtype=torch.float32, block_k=32)
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y, exact, atol=1e-4, rtol=1e-5)
+    assert not torch.equal(y, y.to(torch.bfloat16).float())  # not a bf16 result widened
+    assert gemv(x, w, block_k=32).dtype == torch.bfloat16
