@@ -112,7 +112,9 @@ class LLM:
         for text, request in processed:
             self.engine.add_request(request)
             params = request.sampling_params
-            self._outputs.add_request(request.request_id, len(request.prompt_token_ids), params)
+            self._outputs.add_request(
+                request.request_id, len(request.prompt_token_ids), params, whole=True
+            )
             completion = CompletionOutput(
                 0, "", [], logprobs=None if params.logprobs is None else []
             )

@@ -3,11 +3,17 @@
 For each request it keeps the incremental detokenizer and the stop-string matcher; each engine
 output becomes a `CompletionDelta` (new tokens, new text, new logprobs, and how it finished).
 The offline `LLM` folds deltas into a `RequestOutput`; the server streams them.
+
+A caller that wants completions only whole (the offline `LLM`) asks for that per request: one
+without stop strings, whose text nothing can end early, then keeps its tokens as they come and
+is decoded once, when it finishes, so the work between engine steps is a list extend a request.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import msgspec
 
 from metrale.engine.messages import EngineOutput, FinishReason, TokenLogprobs
 from metrale.frontend.stop_strings import StopStringMatcher
@@ -56,6 +62,10 @@ class _RequestState:
     stops: StopStringMatcher
     num_output_tokens: int = 0
     finished: bool = field(default=False)
+    # Decoded whole at the end (`OutputProcessor.add_request`'s `whole`): the tokens and
+    # logprobs so far, None where the request is decoded as it goes.
+    held_token_ids: list[int] | None = None
+    held_logprobs: list[TokenLogprobs] | None = None
 
 
 class OutputProcessor:
@@ -63,7 +73,18 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self._states: dict[str, _RequestState] = {}
 
-    def add_request(self, request_id: str, num_prompt_tokens: int, params: SamplingParams) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        num_prompt_tokens: int,
+        params: SamplingParams,
+        whole: bool = False,
+    ) -> None:
+        """`whole`: the caller folds the deltas into a completion and reads it only finished,
+        so a request without stop strings gets a single delta, when it finishes, with all of
+        its tokens, logprobs and text (the text decoded once: the deltas of a push a step
+        concatenate to the same decode)."""
+        held = whole and not params.stop
         self._states[request_id] = _RequestState(
             params=params,
             num_prompt_tokens=num_prompt_tokens,
@@ -71,6 +92,8 @@ class OutputProcessor:
                 self.tokenizer, params.skip_special_tokens, params.kept_special_token_ids
             ),
             stops=StopStringMatcher(params.stop, params.include_stop_str_in_output),
+            held_token_ids=[] if held else None,
+            held_logprobs=[] if held else None,
         )
 
     def remove_request(self, request_id: str) -> None:
@@ -81,6 +104,14 @@ class OutputProcessor:
         state = self._states.get(out.request_id)
         if state is None:
             return None
+        if state.held_token_ids is not None:
+            state.held_token_ids += out.new_token_ids
+            state.held_logprobs += out.new_logprobs  # type: ignore[operator]
+            if out.finish_reason is None:
+                return None
+            out = msgspec.structs.replace(
+                out, new_token_ids=state.held_token_ids, new_logprobs=state.held_logprobs
+            )
         engine_finished = out.finish_reason is not None
         text = state.detokenizer.push(out.new_token_ids)
         if engine_finished:
