@@ -12,21 +12,64 @@ figures, the runner's timing events) is measured without HTTP or IPC in the way:
 
     PYTHONPATH=bench/.baseline python bench/engine_ab.py --label before
     PYTHONPATH=. python bench/engine_ab.py --label after
+
+`--generate` runs each round through `LLM.generate` instead (the offline API: its output
+processing between steps counted, each step's time then from one step's start to the next's),
+on B4's model (Qwen3-0.6B's shape with the demo tokenizer's vocabulary, so every id decodes).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import time
 
 import torch
-from gpu_suite import QWEN3_06B, engine, release
+from gpu_suite import ENGINE_FLAGS, QWEN3_06B, engine, release
 from provenance import metrale_tree
+from serve_telemetry import dummy_checkpoint
 
+from metrale import LLM
 from metrale.engine.messages import EngineRequest
 from metrale.sampling_params import SamplingParams
+
+
+def stepped(
+    core, r: int, prompts: list[list[int]], params: list[SamplingParams]
+) -> tuple[int, list[float]]:
+    """Output tokens and each step's ms, the engine core stepped here."""
+    for i, prompt in enumerate(prompts):
+        core.add_request(EngineRequest(f"r{r}-{i}", prompt, params[i], 0.0))
+    tokens, step_ms = 0, []
+    while core.has_unfinished_requests():
+        t = time.perf_counter()
+        tokens += sum(len(o.new_token_ids) for o in core.step())
+        step_ms.append(1e3 * (time.perf_counter() - t))
+    return tokens, step_ms
+
+
+def through_generate(
+    llm: LLM, prompts: list[list[int]], params: list[SamplingParams]
+) -> tuple[int, list[float]]:
+    """Output tokens and the ms from each step's start to the next's (the last step's to the
+    end), all through `LLM.generate`."""
+    starts = []
+    step = llm.engine.step
+
+    def timed_step():
+        starts.append(time.perf_counter())
+        return step()
+
+    llm.engine.step = timed_step
+    try:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        del llm.engine.step
+    starts.append(time.perf_counter())
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return tokens, [1e3 * (b - a) for a, b in itertools.pairwise(starts)]
 
 
 def main() -> None:
@@ -38,8 +81,21 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     parser.add_argument("--seeded", action="store_true", help="request i seeded with i")
+    parser.add_argument("--generate", action="store_true", help="through LLM.generate")
     args = parser.parse_args()
-    core = engine(QWEN3_06B, max_num_seqs=args.streams, max_seq_len=2048)
+    llm = None
+    if args.generate:
+        llm = LLM(
+            model_from_path=str(dummy_checkpoint()),
+            load_format="dummy",
+            dtype="bfloat16",
+            max_num_seqs=args.streams,
+            max_seq_len=2048,
+            **ENGINE_FLAGS,
+        )
+        core = llm.engine
+    else:
+        core = engine(QWEN3_06B, max_num_seqs=args.streams, max_seq_len=2048)
     g = torch.Generator().manual_seed(0)
     prompts = [
         torch.randint(0, 4096, (args.prompt_len,), generator=g).tolist()
@@ -56,14 +112,12 @@ def main() -> None:
     ]
     rounds = []
     for r in range(args.rounds + 1):  # the first warms up
-        for i, prompt in enumerate(prompts):
-            core.add_request(EngineRequest(f"r{r}-{i}", prompt, params[i], 0.0))
         torch.cuda.synchronize()
-        start, tokens, step_ms = time.perf_counter(), 0, []
-        while core.has_unfinished_requests():
-            t = time.perf_counter()
-            tokens += sum(len(o.new_token_ids) for o in core.step())
-            step_ms.append(1e3 * (time.perf_counter() - t))
+        start = time.perf_counter()
+        if llm is not None:
+            tokens, step_ms = through_generate(llm, prompts, params)
+        else:
+            tokens, step_ms = stepped(core, r, prompts, params)
         torch.cuda.synchronize()
         seconds = time.perf_counter() - start
         if r:
