@@ -15,7 +15,6 @@ import torch
 import triton
 import triton.language as tl
 
-from metrale import envs
 from metrale.kernels.grid import cdiv
 
 CHUNK_BYTES = 65536  # what one thread asks for
@@ -41,9 +40,9 @@ def _hopper(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
-def prefetch_enabled(weight: torch.Tensor | None) -> bool:
-    """A dense contiguous weight on a Hopper-or-later GPU, with METRALE_L2_PREFETCH=1."""
-    if weight is None or not envs.l2_prefetch():
+def can_prefetch(weight: torch.Tensor | None) -> bool:
+    """A dense contiguous weight on a Hopper-or-later GPU."""
+    if weight is None:
         return False
     device = weight.device
     return (
@@ -53,9 +52,13 @@ def prefetch_enabled(weight: torch.Tensor | None) -> bool:
     )
 
 
-def prefetch_to_l2(weight: torch.Tensor) -> None:
-    """Queue the copy of `weight`'s whole chunks into L2 and return; the kernel does not wait
-    for them."""
+def prefetch_to_l2(weight: torch.Tensor | None) -> None:
+    """Queue the copy of `weight`'s whole chunks into L2 and return (the kernel does not wait
+    for them); nothing where it `can_prefetch` not (METRALE_L2_PREFETCH turns the engine's
+    calls on: `metrale.envs.l2_prefetch`)."""
+    if not can_prefetch(weight):
+        return
+    assert weight is not None
     num_chunks = weight.numel() * weight.element_size() // CHUNK_BYTES
     if num_chunks == 0:
         return
