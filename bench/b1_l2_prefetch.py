@@ -7,10 +7,9 @@ layer run (rotary, attention, norms, activation), reads the weight of the next m
 product with an evict-last policy, so the product finds it in L2. Reports ms per step for each
 variant and the fraction of the read roofline.
 
-The `bulk_*` variants (Hopper) instead launch, on the step's own stream, the engine's
-`prefetch_to_l2` (METRALE_L2_PREFETCH): a kernel that only issues `cp.async.bulk.prefetch.L2`
-for the weight's first rows and exits, so the copy engine streams them into L2 while the small
-kernels after it run, with no SM reading them and no second stream.
+The `bulk_*` variants (Hopper) instead launch, on the step's own stream, a kernel that only
+issues `cp.async.bulk.prefetch.L2` for the weight and exits: the copy engine streams the weight
+into L2 while the small kernels after it run, with no SM reading it and no second stream.
 
     python bench/b1_l2_prefetch.py [--out DIR]
 """
@@ -28,8 +27,6 @@ import triton
 import triton.language as tl
 from cuda_timing import copy_bandwidth, graph_seconds
 
-from metrale.kernels.l2_prefetch import prefetch_to_l2
-
 H, FFN, NH, NKV, D, LAYERS, VOCAB, CONTEXT = 4096, 14336, 32, 8, 128, 32, 128256, 640
 
 
@@ -42,6 +39,32 @@ def _prefetch_kernel(ptr, num_elements, sink_ptr, BLOCK: tl.constexpr):
         x = tl.load(ptr + offs, mask=offs < num_elements, other=0.0, eviction_policy="evict_last")
         acc += x.to(tl.float32)
     tl.store(sink_ptr + pid, tl.sum(acc, 0))
+
+
+BULK_CHUNK = 65536  # bytes a thread asks the copy engine to bring into L2
+_BULK_ASM = (
+    "{ .reg .pred p; setp.ne.b32 p, $2, 0; "
+    f"@p cp.async.bulk.prefetch.L2.global [$1], {BULK_CHUNK}; mov.u32 $0, 0; }}"
+)
+
+
+@triton.jit
+def _bulk_prefetch_kernel(ptr, num_chunks, CHUNK_ELEMENTS: tl.constexpr, THREADS: tl.constexpr):
+    chunk = tl.program_id(0) * THREADS + tl.arange(0, THREADS)
+    wanted = (chunk < num_chunks).to(tl.int32)
+    addresses = ptr + chunk.to(tl.int64) * CHUNK_ELEMENTS
+    tl.inline_asm_elementwise(
+        _BULK_ASM, "=r,l,r", [addresses, wanted], dtype=tl.int32, is_pure=False, pack=1
+    )
+
+
+def bulk_prefetch(weight: torch.Tensor, share: float) -> None:
+    """Ask for the first `share` of `weight` (whole chunks) in L2, and return at once."""
+    num_chunks = int(weight.numel() * weight.element_size() * share) // BULK_CHUNK
+    threads = 128
+    grid = (max(1, -(-num_chunks // threads)),)
+    chunk_elements = BULK_CHUNK // weight.element_size()
+    _bulk_prefetch_kernel[grid](weight, num_chunks, chunk_elements, threads, num_warps=4)
 
 
 class Step:
@@ -85,7 +108,7 @@ class Step:
         if share <= 0:
             return
         if self.prefetch.get("bulk"):
-            prefetch_to_l2(weight[: int(weight.shape[0] * share)])
+            bulk_prefetch(weight, share)
             return
         main = torch.cuda.current_stream()
         self.side.wait_stream(main)

@@ -29,13 +29,6 @@ def pdl() -> bool:
     return os.environ.get("METRALE_PDL", "1") != "0"
 
 
-def l2_prefetch() -> bool:
-    """Whether a one-row step asks for each layer's o_proj weight in L2 before its attention
-    runs (`metrale.kernels.l2_prefetch`, Hopper): METRALE_L2_PREFETCH=1 turns it on (off until
-    measured on B1)."""
-    return os.environ.get("METRALE_L2_PREFETCH", "0") == "1"
-
-
 def onednn() -> bool:
     """Whether linear layers on a CPU run through packed weights (`layers.linear.prepack_for_cpu`:
     Metrale's panels for float32 where its CPU kernels build, else oneDNN's layout):

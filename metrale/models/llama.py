@@ -21,7 +21,6 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from metrale import envs
 from metrale.config import ModelConfig
 from metrale.distributed.parallel_state import tp_rank, tp_size
 from metrale.distributed.sharding import TensorSlice, even_slice, head_slice
@@ -97,10 +96,6 @@ class DecoderAttention(nn.Module):
         v = v.view(num_tokens, -1, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             rope = rope.with_head_norms(self.q_norm, self.k_norm)
-        if num_tokens == 1 and self.o_proj.fused and envs.l2_prefetch():
-            from metrale.kernels.l2_prefetch import prefetch_to_l2
-
-            prefetch_to_l2(self.o_proj.weight)  # streams into L2 while attention runs
         out = self.attn(q, k, v, meta, rope)  # [num_tokens, num_heads_per_rank, head_dim]
         out = out.reshape(num_tokens, self.q_size)
         if rows is not None:
