@@ -45,7 +45,8 @@ def compile_cpu_decode() -> bool:
 
 def freeze_heap() -> bool:
     """Whether a process that serves or generates keeps its startup heap out of the garbage
-    collector's sweeps (`engine.heap`): METRALE_FREEZE_HEAP=0 leaves it in (the test suite
+    collector's sweeps and collects its young objects less often (`engine.heap`):
+    METRALE_FREEZE_HEAP=0 leaves the heap and the collector as they are (the test suite
     does: it builds hundreds of engines in one process, and the full collection before each
     freeze would walk all of the suite's heap each time)."""
     return os.environ.get("METRALE_FREEZE_HEAP", "1") != "0"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import gc
 import itertools
 import logging
 import weakref
@@ -14,7 +13,7 @@ from tqdm import tqdm
 
 from metrale import demo
 from metrale.engine.core import EngineCore
-from metrale.engine.heap import freeze_startup_heap
+from metrale.engine.heap import freeze_startup_heap, thaw_heap
 from metrale.engine_args import EngineArgs
 from metrale.frontend.input_processor import InputProcessor, Prompt
 from metrale.frontend.output_processor import OutputProcessor, fold
@@ -50,7 +49,7 @@ class LLM:
         # that a notebook's or a test's next `LLM` does not keep this one's model for good
         # (parts of it hold reference cycles, which only the collector frees).
         if freeze_startup_heap():
-            weakref.finalize(self, gc.unfreeze)
+            weakref.finalize(self, thaw_heap)
 
     def shutdown(self) -> None:
         """Stop the engine's other tensor-parallel ranks (a no-op at one rank)."""

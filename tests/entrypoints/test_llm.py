@@ -9,6 +9,7 @@ import weakref
 import pytest
 
 from metrale import LLM, SamplingParams
+from metrale.engine.heap import YOUNG_THRESHOLD
 
 
 @pytest.fixture(scope="module", params=["sync", "async"])
@@ -288,16 +289,19 @@ def test_priority_orders_offline_requests_and_needs_the_priority_policy(qwen3_di
 def test_an_llm_keeps_its_startup_heap_out_of_the_collector_and_leaves_nothing_behind(
     qwen3_dir, monkeypatch
 ):
-    """Frozen while it runs (a full collection would walk the model and the pool); once it is
-    gone the model, which the compiled CPU decode holds in reference cycles, is collected like
-    any garbage."""
+    """Frozen while it runs (a full collection would walk the model and the pool), its young
+    objects collected less often; once it is gone the collector is as it was, and the model,
+    which the compiled CPU decode holds in reference cycles, is collected like any garbage."""
     monkeypatch.setenv("METRALE_COMPILE_CPU_DECODE", "1")  # as `met serve` runs on a CPU
     monkeypatch.setenv("METRALE_FREEZE_HEAP", "1")  # as outside the test suite
+    thresholds = gc.get_threshold()
     llm = LLM(model_from_path=str(qwen3_dir), max_seq_len=128)
     assert llm.engine.runner.compiled is not None
     assert gc.get_freeze_count() > 0
+    assert gc.get_threshold() == (YOUNG_THRESHOLD, *thresholds[1:])
     model = weakref.ref(llm.engine.runner.model)
     llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)
     del llm
+    assert gc.get_threshold() == thresholds and gc.get_freeze_count() == 0
     gc.collect()
     assert model() is None
