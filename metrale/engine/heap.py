@@ -13,9 +13,10 @@ a request), a stream's events and their frames. At CPython's default the young g
 collected every 700 net allocations, nearly once per step's outputs, each time walking objects
 still in use and promoting them to be walked again a generation up. Collected every
 `YOUNG_THRESHOLD` allocations instead, most of them are freed by their reference counts before
-a collection sees them: in `bench/api_cost.py`'s API process (256 streams on this project's
-2-core VM, 2026-12-07) the collector's CPU went from 0.156 s (388 young, 35 middle and 3 full
-collections; 1.8% of the process's CPU) to 0.052 s (3 young ones).
+a collection sees them. In `bench/api_cost.py`'s API process (256 streams on this project's
+2-core VM, 4 rounds, 2026-12-07) the collector's CPU went from 0.342 s (662 young, 61 middle
+and 6 full collections, the longest 37.5 ms; 2.3% of the process's CPU) to 0.123 s (41 young, 3
+middle, the longest 22.6 ms); at 50,000 the young collections took ~16 ms each.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from metrale import envs
 
 logger = logging.getLogger(__name__)
 
-YOUNG_THRESHOLD = 50_000  # net allocations between collections of the young generation
+YOUNG_THRESHOLD = 10_000  # net allocations between collections of the young generation
 _default_thresholds: tuple[int, ...] | None = None  # set while frozen
 
 

@@ -14,6 +14,7 @@ import time
 _start = [0.0]
 _seconds = [0.0, 0.0, 0.0]
 _counts = [0, 0, 0]
+_longest = [0.0, 0.0, 0.0]
 _frozen = [0, 0.0]  # objects frozen (once seen), when last asked (get_freeze_count walks them)
 
 
@@ -21,6 +22,7 @@ def _dump() -> None:
     with open(f"/tmp/prof/gc-{os.getpid()}.txt", "w") as f:
         f.write(
             f"{' '.join(sys.argv)[:60]} gc_s={[round(s, 3) for s in _seconds]} n={_counts} "
+            f"longest_ms={[round(s * 1e3, 1) for s in _longest]} "
             f"thr={gc.get_threshold()} frozen={_frozen[0]} cpu={time.process_time():.2f}\n"
         )
 
@@ -38,7 +40,9 @@ def _callback(phase: str, info: dict) -> None:
     if not _start[0]:
         return
     generation = info["generation"]
-    _seconds[generation] += time.thread_time() - _start[0]
+    seconds = time.thread_time() - _start[0]
+    _seconds[generation] += seconds
+    _longest[generation] = max(_longest[generation], seconds)
     _counts[generation] += 1
     if sum(_counts) % 20 == 0:
         _dump()
