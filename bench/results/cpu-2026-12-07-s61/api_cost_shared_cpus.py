@@ -10,7 +10,6 @@ from __future__ import annotations
 import multiprocessing
 import os
 import random
-import signal
 import statistics
 import sys
 import tempfile
@@ -49,8 +48,7 @@ def main() -> None:
     finally:
         pool.terminate()
         for process, _ in servers.values():
-            process.send_signal(signal.SIGTERM)
-        for process, _ in servers.values():
+            process.terminate()
             process.wait(60)
     for name, rows in results.items():
         medians = {k: round(statistics.median(r[k] for r in rows), 3) for k in rows[0]}
