@@ -42,7 +42,8 @@ def _prefetch_kernel(ptr, num_elements, sink_ptr, BLOCK: tl.constexpr):
 
 
 BULK_CHUNK = 65536  # bytes a thread asks the copy engine to bring into L2
-_BULK_ASM = (
+# A constexpr: a jitted function may read no other kind of global.
+_BULK_ASM = tl.constexpr(
     "{ .reg .pred p; setp.ne.b32 p, $2, 0; "
     f"@p cp.async.bulk.prefetch.L2.global [$1], {BULK_CHUNK}; mov.u32 $0, 0; }}"
 )
