@@ -10,6 +10,8 @@ variant and the fraction of the read roofline.
 The `bulk_*` variants (Hopper) instead launch, on the step's own stream, a kernel that only
 issues `cp.async.bulk.prefetch.L2` for the weight and exits: the copy engine streams the weight
 into L2 while the small kernels after it run, with no SM reading it and no second stream.
+Measured on an H100 (2026-12-07, bench/results/h100-2026-12-07-stop61/): every variant slower
+than none (`bulk_o` 7.41 against 6.37 ms; in the engine, B1 -15.5%), so none is in the engine.
 
     python bench/b1_l2_prefetch.py [--out DIR]
 """
