@@ -29,6 +29,8 @@ import triton
 import triton.language as tl
 from cuda_timing import copy_bandwidth, graph_seconds
 
+from metrale.kernels.grid import cdiv
+
 H, FFN, NH, NKV, D, LAYERS, VOCAB, CONTEXT = 4096, 14336, 32, 8, 128, 32, 128256, 640
 
 
@@ -65,7 +67,7 @@ def bulk_prefetch(weight: torch.Tensor, share: float) -> None:
     """Ask for the first `share` of `weight` (whole chunks) in L2, and return at once."""
     num_chunks = int(weight.numel() * weight.element_size() * share) // BULK_CHUNK
     threads = 128
-    grid = (max(1, -(-num_chunks // threads)),)
+    grid = (max(1, cdiv(num_chunks, threads)),)
     chunk_elements = BULK_CHUNK // weight.element_size()
     _bulk_prefetch_kernel[grid](weight, num_chunks, chunk_elements, threads, num_warps=4)
 
