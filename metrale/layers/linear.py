@@ -154,6 +154,17 @@ def _(x, layer, bias):
 ONEDNN_LAYOUT_ROWS = 256
 
 
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN lays out and multiplies weights of `dtype` on this CPU: its 16-bit paths
+    need AVX-512 (bf16: AVX512BW/VL/DQ, fp16: AVX512-FP16) or AVX-NE-CONVERT, and refuse to
+    pack on an AVX2-only CPU, where torch's own product takes those weights."""
+    if dtype == torch.bfloat16:
+        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    if dtype == torch.float16:
+        return torch.ops.mkldnn._is_mkldnn_fp16_supported()
+    return dtype == torch.float32
+
+
 def prepack_for_cpu(model: nn.Module, keep_dense: bool = False) -> int:
     """Give every dense `Linear` of a CPU model its weight in the layout its products read, the
     dense copy dropped unless `keep_dense` (compiled one-row decode steps stream it; a layer with
@@ -164,7 +175,8 @@ def prepack_for_cpu(model: nn.Module, keep_dense: bool = False) -> int:
     (`kernels/cpu/panel_linear.cpp`) where the CPU kernels build: 2-16 rows (decode steps of
     several streams) of peers.md's 33.6M Llama 1.4-1.6x oneDNN's product over its own layout,
     which reads the weights at ~2/3 of the bandwidth at those sizes (bench/cpu_products.py).
-    Others (bfloat16, float16, or no kernels: METRALE_CPU_KERNELS=0) go into oneDNN's layout.
+    Others (bfloat16, float16, or no kernels: METRALE_CPU_KERNELS=0) go into oneDNN's layout
+    where oneDNN takes their dtype on this CPU (`onednn_packs`), else stay dense.
 
     torch's CPU products of one row run on one core (bench/profile_cpu.py: 33.6M-parameter
     Llama, fp32, 2 cores: a decode step's products read 13 GB/s of the machine's 27-40); through
@@ -186,7 +198,7 @@ def prepack_for_cpu(model: nn.Module, keep_dense: bool = False) -> int:
         keep = keep_dense and layer.decode_packed is None
         if panels and layer.weight.dtype == torch.float32:
             layer.panel_pack_(keep)
-        elif onednn:
+        elif onednn and onednn_packs(layer.weight.dtype):
             layer.onednn_pack_(keep)
         else:
             continue

@@ -1,7 +1,8 @@
 """On a CPU the loader packs every dense linear layer for the product its rows go through
 (`prepack_for_cpu`): a float32 weight into panels for Metrale's kernel where the CPU kernels
-build, any other (or with METRALE_CPU_KERNELS=0) into oneDNN's layout. The dense weight is
-dropped, `state_dict` still gives it back, a tied head keeps the embedding, and the products
+build, any other (or with METRALE_CPU_KERNELS=0) into oneDNN's layout where oneDNN takes its
+dtype on this CPU (bfloat16 needs AVX-512; on an AVX2 CPU torch's product takes it). The dense
+weight is dropped, `state_dict` still gives it back, a tied head keeps the embedding, and the products
 equal torch's own to float32 rounding, so the greedy tokens do not change."""
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch
 from metrale import LLM, SamplingParams
 from metrale.config import ModelConfig
 from metrale.kernels import cpu_extension
-from metrale.layers.linear import Linear
+from metrale.layers.linear import ONEDNN_LAYOUT_ROWS, Linear, onednn_packs
 from metrale.runner.model_loader import load_model
 from tests.conftest import build_checkpoint
 
@@ -78,11 +79,29 @@ def test_loaded_on_cpu_every_linear_layer_is_packed(tmp_path, tied, products, mo
                 torch.testing.assert_close(a(batched), b(batched), rtol=1e-5, atol=1e-5)
 
 
-def test_a_bfloat16_model_goes_through_onednn(tmp_path) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_onednn_is_said_to_pack_a_dtype_exactly_where_it_does(dtype) -> None:
+    # Its 16-bit layouts need AVX-512 (or AVX-NE-CONVERT): on an AVX2-only CPU it refuses them.
+    weight = torch.randn(32, 16).to(dtype)
+    if onednn_packs(dtype):
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, ONEDNN_LAYOUT_ROWS)
+        x = torch.randn(3, 16).to(dtype)
+        out = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        torch.testing.assert_close(out, x @ weight.T, rtol=2e-2, atol=2e-2)
+    else:
+        with pytest.raises(RuntimeError, match="needs the cpu support"):
+            torch.ops.mkldnn._reorder_linear_weight(weight, ONEDNN_LAYOUT_ROWS)
+
+
+def test_a_bfloat16_model_goes_through_onednn_where_it_packs_bfloat16(tmp_path) -> None:
     model_dir = build_checkpoint(tmp_path, "llama")
     config = ModelConfig.from_dir(model_dir)
     model = load_model(model_dir, config, dtype=torch.bfloat16, device=CPU, progress=False)
-    assert layout(model) == "onednn"
+    assert layout(model) == ("onednn" if onednn_packs(torch.bfloat16) else "torch")
+    x = torch.randn(5, config.hidden_size, dtype=torch.bfloat16)
+    layer = model.model.layers[0].mlp.gate_up_proj
+    dense = torch.nn.functional.linear(x, layer.state_dict()["weight"])
+    torch.testing.assert_close(layer(x), dense, rtol=2e-2, atol=2e-2)
 
 
 def test_greedy_tokens_are_those_of_torchs_products(tmp_path, monkeypatch) -> None:
