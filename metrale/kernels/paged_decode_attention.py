@@ -34,8 +34,15 @@ from metrale.kernels.pdl import pdl_enabled, wait_for_previous_kernel
 _MIN_PARTITION_TOKENS = 128
 # Keeps the reduce kernel's [num_splits, head_dim] tile in registers.
 _MAX_SPLITS = 64
-# Aim for this many programs per SM in pass one.
-_PROGRAMS_PER_SM = 2
+# Aim for this many programs per SM in pass one. They run one at a time per SM (a bf16 program's
+# three stages of 128-key K and V tiles take ~192 KB of shared memory), and the splits are cut
+# from the block table's width, the engine's longest context, so where the live contexts are
+# shorter the splits past them launch, find no keys and exit: the programs that read anything
+# are fewer than the target. At B2's last steps on an H100 (bench/decode_attention.py --shape
+# b2_12: 12 sequences of 1,200-2,048 tokens in a 4,096-token table, graph-timed) 3 splits (the
+# target of 2) took 50-55 us a layer, 8-16 splits 40-41; at 48 sequences 1 split 120 us, 2-8
+# splits 115-117; at 256 sequences 1 split stays the fastest (245 us, 2 splits 249).
+_PROGRAMS_PER_SM = 8
 _NUM_SMS_WITHOUT_GPU = 132
 
 

@@ -205,6 +205,10 @@ def test_plan_decode_splits() -> None:
     assert plan_decode_splits(1, 1, 1 << 20, 132) == 64
     # A short context is not split below the minimum partition.
     assert plan_decode_splits(1, 8, 100, 132) == 1
+    # A few sequences in a wide table: enough splits that those over the live contexts fill the
+    # GPU, though the ones past them have no keys.
+    assert plan_decode_splits(12, 8, 4096, 132) == 11
+    assert plan_decode_splits(48, 8, 4096, 132) == 3
 
 
 @pytest.mark.parametrize("sliding_window", [None, 6])
