@@ -15,16 +15,15 @@ the whole launch with the forward and the sampling, the update; the prefill step
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import statistics
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import transformers
+from phase_clock import PhaseClock
 from profile_cpu import timed_decode_steps
 
 from metrale import LLM, SamplingParams
@@ -62,21 +61,12 @@ def checkpoint(path: Path) -> Path:
     return path
 
 
-def timed_parts() -> collections.Counter:
-    """Wrap each part's function to add its seconds to the returned counter."""
-    seconds: collections.Counter = collections.Counter()
+def timed_parts() -> PhaseClock:
+    """A clock of each part's seconds (`PhaseClock.take` reads and clears it)."""
+    clock = PhaseClock()
     for label, (owner, name) in PARTS.items():
-        fn = getattr(owner, name)
-
-        def timed(*args, _fn=fn, _label=label, **kwargs):
-            start = time.perf_counter()
-            try:
-                return _fn(*args, **kwargs)
-            finally:
-                seconds[_label] += time.perf_counter() - start
-
-        setattr(owner, name, timed)
-    return seconds
+        clock.wrap(owner, name, label)
+    return clock
 
 
 def decode_steps(
@@ -123,11 +113,12 @@ def main() -> None:
         )
         lens = (args.prompt_len, args.output_len)
         decode_steps(llm, args.streams, args.sampling, "warm", *lens)
-        seconds = timed_parts()
+        clock = timed_parts()
         rounds = []
         for r in range(args.rounds):
             # the parts of the decode steps only: the prefill step's are cleared
-            times = decode_steps(llm, args.streams, args.sampling, f"r{r}", *lens, seconds.clear)
+            times = decode_steps(llm, args.streams, args.sampling, f"r{r}", *lens, clock.take)
+            seconds, _ = clock.take()
             parts = {k: round(1e3 * v / len(times), 3) for k, v in seconds.items()}
             rounds.append({"step_ms_median": 1e3 * statistics.median(times), "parts_ms": parts})
     model = args.model or "tiny Qwen3"

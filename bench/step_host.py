@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import functools
 import json
 import os
 import statistics
@@ -27,6 +26,7 @@ from pathlib import Path
 import torch
 import triton
 from gpu_suite import QWEN3_06B, add_requests, b2_engine, b2_workload, model_dir, release
+from phase_clock import PhaseClock
 from provenance import git_sha, metrale_tree
 
 from metrale.engine.core import EngineCore
@@ -42,42 +42,6 @@ from metrale.runner.sampling_inputs import SamplingInputs
 from metrale.sampling_params import SamplingParams
 
 TINY = QWEN3_06B | {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}
-
-
-class PhaseClock:
-    """Seconds and calls per phase since the last `take()`; a phase nested in itself (a
-    subclass's forward calling its base's) counts once."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = collections.Counter()
-        self.calls: dict[str, int] = collections.Counter()
-        self._open: set[str] = set()
-
-    def wrap(self, owner, attr: str, phase: str | None = None) -> None:
-        inner = getattr(owner, attr)
-        clock = self
-
-        @functools.wraps(inner)
-        def timed(*args, **kwargs):
-            name = phase or f"triton {args[0].fn.__name__}"  # JITFunction.run(self, ...)
-            if name in clock._open or torch.compiler.is_compiling():
-                return inner(*args, **kwargs)
-            clock._open.add(name)
-            start = time.perf_counter()
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                clock.seconds[name] += time.perf_counter() - start
-                clock.calls[name] += 1
-                clock._open.discard(name)
-
-        setattr(owner, attr, timed)
-
-    def take(self) -> tuple[dict[str, float], dict[str, int]]:
-        taken = dict(self.seconds), dict(self.calls)
-        self.seconds.clear()
-        self.calls.clear()
-        return taken
 
 
 def instrument(clock: PhaseClock, core) -> None:
@@ -100,7 +64,8 @@ def instrument(clock: PhaseClock, core) -> None:
     ]
     for owner, attr, phase in phases:
         clock.wrap(owner, attr, phase)
-    clock.wrap(triton.runtime.jit.JITFunction, "run")
+    # JITFunction.run(self, *args, ...): a phase per kernel
+    clock.wrap(triton.runtime.jit.JITFunction, "run", lambda args: f"triton {args[0].fn.__name__}")
 
 
 def forward_events(clock: PhaseClock, device: torch.device) -> list:
