@@ -34,15 +34,18 @@ from metrale.kernels.pdl import pdl_enabled, wait_for_previous_kernel
 _MIN_PARTITION_TOKENS = 128
 # Keeps the reduce kernel's [num_splits, head_dim] tile in registers.
 _MAX_SPLITS = 64
-# Aim for this many programs per SM in pass one. They run one at a time per SM (a bf16 program's
-# three stages of 128-key K and V tiles take ~192 KB of shared memory), and the splits are cut
-# from the block table's width, the engine's longest context, so where the live contexts are
-# shorter the splits past them launch, find no keys and exit: the programs that read anything
-# are fewer than the target. At B2's last steps on an H100 (bench/decode_attention.py --shape
-# b2_12: 12 sequences of 1,200-2,048 tokens in a 4,096-token table, graph-timed) 3 splits (the
-# target of 2) took 50-55 us a layer, 8-16 splits 40-41; at 48 sequences 1 split 120 us, 2-8
-# splits 115-117; at 256 sequences 1 split stays the fastest (245 us, 2 splits 249).
-_PROGRAMS_PER_SM = 8
+# Aim for this many programs per SM in pass one, in a power of two of splits. They run one at a
+# time per SM (a bf16 program's three stages of 128-key K and V tiles take ~192 KB of shared
+# memory), and the splits are cut from the block table's width, the engine's longest context, so
+# where the live contexts are shorter the splits past them launch, find no keys and exit: the
+# programs that read anything are fewer than the target. At B2's last steps on an H100
+# (bench/decode_attention.py --shape b2_12: 12 sequences of 1,200-2,048 tokens in a 4,096-token
+# table, graph-timed) 3 splits (the target of 2) took 50 us a layer, 11 splits 47, 8-16 splits
+# 40-41; at 48 sequences 1 split 120 us, 3 splits 129, 2-8 splits 115-117; at 256 sequences 1
+# split stays the fastest (245 us, 2 splits 249). A split count that does not divide the table
+# into whole halves of the contexts leaves one split of each sequence with most of its keys. So
+# 8 splits at 12 sequences, 2 at 48, 1 from 66 on.
+_PROGRAMS_PER_SM = 4
 _NUM_SMS_WITHOUT_GPU = 132
 
 
@@ -191,7 +194,7 @@ def plan_decode_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, n
 
     From shapes only (`max_context_len` is the block-table width times block_size).
     """
-    wanted = cdiv(_PROGRAMS_PER_SM * num_sms, max(1, num_seqs * num_kv_heads))
+    wanted = next_power_of_2(cdiv(_PROGRAMS_PER_SM * num_sms, max(1, num_seqs * num_kv_heads)))
     by_length = cdiv(max_context_len, _MIN_PARTITION_TOKENS)
     return max(1, min(wanted, by_length, _MAX_SPLITS))
 

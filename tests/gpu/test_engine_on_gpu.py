@@ -203,8 +203,10 @@ def test_async_scheduling_gives_the_sync_tokens(tmp_path):
 @pytest.mark.gpu
 def test_the_next_step_fills_its_inputs_while_the_forward_runs(tmp_path):
     """A step's inputs event (which the next step's fill waits on) fires once its copies are
-    done, not after its forward: with the forward held on the device by a ~100 ms spin, the
-    event is done while the step is not (tests/runner/test_input_copies.py checks the order)."""
+    done, not after its forward: with the forward held on the device by a spin of ~1 s, the
+    event is done while the step is not (tests/runner/test_input_copies.py checks the order).
+    A request of the same shape runs first, so no kernel compiles while the spin runs (a ~100
+    ms spin without it ran out before the step was queued, in one run on an H100)."""
     llm = LLM(
         model_from_path=str(build_checkpoint(tmp_path, "llama")),
         dtype="bfloat16",
@@ -214,8 +216,10 @@ def test_the_next_step_fills_its_inputs_while_the_forward_runs(tmp_path):
     )
     core, runner = llm.engine, llm.engine.runner
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
-    core.add_request(EngineRequest("held", prompts((24,))[0], params, 0.0))
-    hook = runner.model.register_forward_pre_hook(lambda *_: torch.cuda._sleep(200_000_000))
+    warm, held = prompts((24, 24), seed=11)
+    llm.generate([warm], params, use_tqdm=False)
+    core.add_request(EngineRequest("held", held, params, 0.0))
+    hook = runner.model.register_forward_pre_hook(lambda *_: torch.cuda._sleep(2_000_000_000))
     try:
         core.step()  # launches the prompt's step and returns: async keeps it in flight
         launched = core._in_flight[-1][1]

@@ -206,9 +206,10 @@ def test_plan_decode_splits() -> None:
     # A short context is not split below the minimum partition.
     assert plan_decode_splits(1, 8, 100, 132) == 1
     # A few sequences in a wide table: enough splits that those over the live contexts fill the
-    # GPU, though the ones past them have no keys.
-    assert plan_decode_splits(12, 8, 4096, 132) == 11
-    assert plan_decode_splits(48, 8, 4096, 132) == 3
+    # GPU, though the ones past them have no keys; a power of two of them.
+    assert plan_decode_splits(12, 8, 4096, 132) == 8
+    assert plan_decode_splits(48, 8, 4096, 132) == 2
+    assert plan_decode_splits(128, 8, 4096, 132) == 1
 
 
 @pytest.mark.parametrize("sliding_window", [None, 6])
