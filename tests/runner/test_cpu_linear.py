@@ -2,8 +2,8 @@
 (`prepack_for_cpu`): a float32 weight into panels for Metrale's kernel where the CPU kernels
 build, any other (or with METRALE_CPU_KERNELS=0) into oneDNN's layout where oneDNN takes its
 dtype on this CPU (bfloat16 needs AVX-512; on an AVX2 CPU torch's product takes it). The dense
-weight is dropped, `state_dict` still gives it back, a tied head keeps the embedding, and the products
-equal torch's own to float32 rounding, so the greedy tokens do not change."""
+weight is dropped, `state_dict` still gives it back, a tied head keeps the embedding, and the
+products equal torch's own to float32 rounding, so the greedy tokens do not change."""
 
 from __future__ import annotations
 
