@@ -103,8 +103,7 @@ def engine(config: dict, **kwargs) -> EngineCore:
     args = EngineArgs(
         model_from_path=model_dir(config),
         load_format="dummy",
-        dtype="bfloat16",
-        **(ENGINE_FLAGS | kwargs),
+        **({"dtype": "bfloat16"} | ENGINE_FLAGS | kwargs),
     )
     core = EngineCore.from_config(args.create_config(), progress=False)
     freeze_startup_heap()  # as `met serve`'s engine and `LLM` keep it; `release` thaws it

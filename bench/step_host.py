@@ -25,13 +25,11 @@ from pathlib import Path
 
 import torch
 import triton
-from gpu_suite import QWEN3_06B, add_requests, b2_engine, b2_workload, model_dir, release
+from gpu_suite import QWEN3_06B, add_requests, b2_engine, b2_workload, engine, release
 from phase_clock import PhaseClock
 from provenance import git_sha, metrale_tree
 
-from metrale.engine.core import EngineCore
 from metrale.engine.scheduler import Scheduler
-from metrale.engine_args import EngineArgs
 from metrale.layers.attention import Attention
 from metrale.layers.layernorm import RMSNorm
 from metrale.layers.linear import Linear
@@ -177,17 +175,15 @@ def launch_probes(device: torch.device) -> dict:
 
 
 def tiny_engine():
-    """A 2-layer float32 model on whatever device there is (bf16 wants AVX-512 on a CPU)."""
-    args = EngineArgs(
-        model_from_path=model_dir(TINY),
-        load_format="dummy",
+    """A 2-layer float32 model on whatever device there is."""
+    return engine(
+        TINY,
         dtype="float32",
         max_seq_len=2048,
         max_num_seqs=16,
         max_prefill_tokens=512,
         enforce_eager=True,  # the CPU's compiled decode would trace the wrappers
     )
-    return EngineCore.from_config(args.create_config(), progress=False)
 
 
 def main() -> None:
