@@ -10,8 +10,8 @@ limit); `b2_48`, `b2_12`: its last steps, few sequences of long contexts. Every 
 replayed from a CUDA graph, as the engine's decode steps run it: at B2's sizes the host's launch
 (~0.1 ms) would otherwise be most of the figure.
 
-    python bench/decode_attention.py [--shape b3|b2] [--batch N] [--kv-cache-dtype bf16|fp8]
-        [--out DIR]
+    python bench/decode_attention.py [--shape b3|b2|b2_48|b2_12] [--batch N]
+        [--kv-cache-dtype bf16|fp8] [--no-sweep] [--out DIR]
 """
 
 from __future__ import annotations
