@@ -205,8 +205,8 @@ def test_the_next_step_fills_its_inputs_while_the_forward_runs(tmp_path):
     """A step's inputs event (which the next step's fill waits on) fires once its copies are
     done, not after its forward: with the forward held on the device by a spin of ~1 s, the
     event is done while the step is not (tests/runner/test_input_copies.py checks the order).
-    A request of the same shape runs first, so no kernel compiles while the spin runs (a ~100
-    ms spin without it ran out before the step was queued, in one run on an H100)."""
+    A request of the same shape runs first, so no kernel compiles while the spin runs (with a
+    ~100 ms spin and no such request the step was already done at the assert, once on an H100)."""
     llm = LLM(
         model_from_path=str(build_checkpoint(tmp_path, "llama")),
         dtype="bfloat16",
