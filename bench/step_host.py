@@ -28,6 +28,7 @@ import triton
 from gpu_suite import QWEN3_06B, add_requests, b2_engine, b2_workload, engine, release
 from phase_clock import PhaseClock
 from provenance import git_sha, metrale_tree
+from workload_floor import kind_of_scheduled
 
 from metrale.engine.scheduler import Scheduler
 from metrale.layers.attention import Attention
@@ -66,9 +67,9 @@ def instrument(clock: PhaseClock, core) -> None:
     clock.wrap(triton.runtime.jit.JITFunction, "run", lambda args: f"triton {args[0].fn.__name__}")
 
 
-def forward_events(clock: PhaseClock, device: torch.device) -> list:
-    """Each eager forward's (start, end) CUDA events, and whether its step had prompt rows;
-    graph replays are not forwards here."""
+def forward_events(device: torch.device) -> list:
+    """Each eager forward's (start, end) CUDA events and its row count; graph replays are not
+    forwards here."""
     pairs: list = []
     inner = LlamaForCausalLM.forward
 
@@ -87,13 +88,13 @@ def forward_events(clock: PhaseClock, device: torch.device) -> list:
 
 
 def step_kinds(core) -> list[str]:
-    """The kind of each step the runner launches, in order (wraps `launch`)."""
+    """The kind of each step the runner launches, in order (wraps `launch`), as
+    `workload_floor` names them."""
     kinds: list[str] = []
     inner = core.runner.launch
 
     def launch(scheduled):
-        prompt = any(not c.is_decode for c in scheduled.chunks)
-        kinds.append("with prompt tokens" if prompt else "decode" if scheduled.chunks else "empty")
+        kinds.append(kind_of_scheduled(scheduled))
         return inner(scheduled)
 
     core.runner.launch = launch
@@ -200,7 +201,7 @@ def main() -> None:
     add_requests(core, prompts[:4], [SamplingParams(max_tokens=8)] * 4)
     while core.has_unfinished_requests():  # kernels compiled, the allocator warm
         core.step()
-    events = forward_events(clock, core.runner.device)
+    events = forward_events(core.runner.device)
     instrument(clock, core)
     report = traced_run(core, prompts, params, args.steps, clock, events)
     results = {

@@ -188,6 +188,11 @@ def kind_of(s: StepShape) -> str:
     return "decode, > 256 rows"
 
 
+def kind_of_scheduled(scheduled) -> str:
+    """The kind (`kind_of`) of a step as the scheduler laid it out, before it runs."""
+    return kind_of(StepShape(*_shape(scheduled), seconds=0.0))
+
+
 def report(steps: list[StepShape], costs: ModelCosts, device: Device, wall_s: float) -> dict:
     """The run's floor and its fraction of the run's `wall_s`, in total and by kind of step."""
     kinds: dict[str, dict[str, float]] = {}
