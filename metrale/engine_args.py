@@ -89,6 +89,7 @@ class EngineArgs:
     attention_backend: str = "auto"
     gpu_memory_utilization: float = 0.9
     max_cuda_graph_batch: int = 512
+    max_cuda_graph_tokens: int | None = None  # None: the step's token budget
     enforce_eager: bool = False
     scheduler_config: str = "auto"
     scheduler: str = "fifo"
@@ -166,6 +167,14 @@ class EngineArgs:
             type=int,
             default=d.max_cuda_graph_batch,
             help="capture decode steps in CUDA graphs up to this batch size (GPU)",
+        )
+        g.add_argument(
+            "--max-cuda-graph-tokens",
+            type=int,
+            default=d.max_cuda_graph_tokens,
+            metavar="N",
+            help="capture steps with prompt tokens in CUDA graphs, in pieces around attention, "
+            "up to N tokens (GPU; default: --max-num-batched-tokens; 0: run them eagerly)",
         )
         g.add_argument(
             "--enforce-eager",

@@ -50,7 +50,8 @@ class EngineConfig:
     chat_template: Path | None
     is_demo: bool
     attention_backend: str = "torch"
-    max_cuda_graph_batch: int = 0  # 0: no CUDA graphs
+    max_cuda_graph_batch: int = 0  # 0: no CUDA graphs of decode steps
+    max_cuda_graph_tokens: int = 0  # 0: steps with prompt tokens run eagerly
     compile_cpu_decode: bool = False  # a CPU's decode steps through torch.compile
     tokenizer_eos_token_id: int | None = None
     async_scheduling: bool = False  # prepare step N+1 while step N runs
@@ -141,6 +142,7 @@ def create_config(args: EngineArgs, model_dir: Path) -> EngineConfig:
         gpu_memory_utilization=args.gpu_memory_utilization,
         num_host_blocks=int(args.swap_space_gb * 2**30 // per_block),
     )
+    eager = args.enforce_eager or device.type != "cuda" or args.tensor_parallel_size > 1
     return EngineConfig(
         model_dir=model_dir,
         model_name=demo.MODEL_NAME if is_demo else (args.model or str(model_dir)),
@@ -158,9 +160,12 @@ def create_config(args: EngineArgs, model_dir: Path) -> EngineConfig:
         tokenizer_eos_token_id=_tokenizer_eos(model_dir, model_config),
         attention_backend=resolve_backend(args.attention_backend, device),
         # (the ranks past 0 do not replay graphs yet: tensor parallelism runs eager)
-        max_cuda_graph_batch=0
-        if args.enforce_eager or device.type != "cuda" or args.tensor_parallel_size > 1
-        else args.max_cuda_graph_batch,
+        max_cuda_graph_batch=0 if eager else args.max_cuda_graph_batch,
+        max_cuda_graph_tokens=0
+        if eager
+        else scheduler.max_num_batched_tokens
+        if args.max_cuda_graph_tokens is None
+        else args.max_cuda_graph_tokens,
         compile_cpu_decode=not args.enforce_eager
         and device.type == "cpu"
         and args.tensor_parallel_size == 1

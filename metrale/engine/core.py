@@ -101,6 +101,7 @@ class EngineCore:
             config.device,
             attention_backend=config.attention_backend,
             max_cuda_graph_batch=config.max_cuda_graph_batch,
+            max_cuda_graph_tokens=config.max_cuda_graph_tokens,
             time_steps=config.log_stats,
             num_speculative_tokens=(
                 0 if config.speculative is None else config.speculative.num_speculative_tokens

@@ -170,6 +170,8 @@ class ForwardInfo(msgspec.Struct, frozen=True):
     kernels: dict[str, str]  # what runs each part of the layer
     programmatic_dependent_launch: bool
     cuda_graph_batch_sizes: list[int]
+    # The padded token counts of steps with prompt tokens captured in pieces (piecewise_graphs)
+    cuda_graph_token_counts: list[int]
     compiled_decode: bool  # a CPU's decode steps run compiled (runner/compiled_decode)
     kv_cache_dtype: str
     kv_block_size: int

@@ -100,6 +100,7 @@ def forward_info(core: EngineCore) -> ForwardInfo:
     config, model = core.config, core.config.model
     backend = config.attention_backend
     graphs = core.runner.graphs
+    piecewise = core.runner.piecewise
     cuda = config.device.type == "cuda"
 
     def name(dtype: torch.dtype) -> str:
@@ -123,6 +124,7 @@ def forward_info(core: EngineCore) -> ForwardInfo:
         kernels=_kernels(core),
         programmatic_dependent_launch=cuda and backend == "triton" and _pdl(config.device),
         cuda_graph_batch_sizes=sorted(graphs.graphs) if graphs is not None else [],
+        cuda_graph_token_counts=sorted(piecewise.graphs) if piecewise is not None else [],
         compiled_decode=core.runner.compiled is not None,
         kv_cache_dtype=name(config.cache.dtype),
         kv_block_size=config.cache.block_size,

@@ -39,7 +39,7 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
 
 
 @contextmanager
-def _no_garbage_collection() -> Iterator[None]:
+def no_garbage_collection() -> Iterator[None]:
     """Python's collector held off while graphs are captured, as SGLang and vLLM do: a
     collection inside a capture can run the finalizers of unrelated objects, and a finalizer's
     CUDA call that is illegal in a capture (an event's query, a pinned buffer's release)
@@ -67,11 +67,11 @@ class DecodeGraph:
 
 
 class DecodeGraphs:
-    def __init__(self, runner: ModelRunner, max_batch: int) -> None:
+    def __init__(self, runner: ModelRunner, max_batch: int, pool: tuple[int, int]) -> None:
         self.runner = runner
         self.sizes = graph_batch_sizes(max_batch)
         self.graphs: dict[int, DecodeGraph] = {}
-        self._pool = None
+        self.pool = pool  # shared with the graphs of steps with prompt tokens
 
     def graph_for(self, chunks: list[ScheduledChunk]) -> DecodeGraph | None:
         """The graph that runs this step, if it is a decode step (drafts included) small enough
@@ -88,7 +88,7 @@ class DecodeGraphs:
     @torch.inference_mode()
     def capture(self) -> None:
         start = time.perf_counter()
-        with _no_garbage_collection():
+        with no_garbage_collection():
             for num_seqs in reversed(self.sizes):
                 self.graphs[num_seqs] = self._capture(num_seqs)
         logger.info(
@@ -116,7 +116,6 @@ class DecodeGraphs:
             forward()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with torch.cuda.graph(graph, pool=self.pool):
             logits = forward()
-        self._pool = graph.pool()
         return DecodeGraph(num_seqs, graph, logits)

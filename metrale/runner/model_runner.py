@@ -36,6 +36,7 @@ from metrale.runner.compiled_decode import CompiledDecode
 from metrale.runner.cuda_graphs import DecodeGraph, DecodeGraphs
 from metrale.runner.input_buffers import InputBuffers, to_device
 from metrale.runner.kv_cache import PagedKVCache, SwapTiming
+from metrale.runner.piecewise_graphs import PiecewiseGraph, PiecewiseGraphs
 from metrale.runner.probe_steps import decode_probe, prefill_probe
 from metrale.runner.sampler import SamplerOutput, sample
 from metrale.runner.sampling_inputs import SamplingInputs
@@ -67,6 +68,7 @@ class ModelRunner:
         device: torch.device,
         attention_backend: str = "torch",
         max_cuda_graph_batch: int = 0,
+        max_cuda_graph_tokens: int = 0,
         structured_outputs: StructuredOutputs | None = None,
         time_steps: bool = True,
         num_speculative_tokens: int = 0,
@@ -99,6 +101,7 @@ class ModelRunner:
         )
         self._num_samples = 0
         self.num_graph_replays = 0
+        self.num_piecewise_replays = 0
         self.num_compiled_steps = 0
         # The latest step's sampled ids, on the device, and its sampling chunks (one per row):
         # the next step's pending input tokens.
@@ -112,11 +115,17 @@ class ModelRunner:
         # Rank 0 of several tensor-parallel ranks: it sends each step to the others.
         self.leads_ranks = tp_size() > 1 and tp_rank() == 0
         self.graphs: DecodeGraphs | None = None
-        if max_cuda_graph_batch > 0:
-            self.graphs = DecodeGraphs(
-                self, min(max_cuda_graph_batch, scheduler_config.max_batch_size)
-            )
-            self.graphs.capture()
+        self.piecewise: PiecewiseGraphs | None = None
+        if max_cuda_graph_batch > 0 or max_cuda_graph_tokens > 0:
+            pool = torch.cuda.graph_pool_handle()  # one pool: the graphs replay one at a time
+            if max_cuda_graph_batch > 0:
+                self.graphs = DecodeGraphs(
+                    self, min(max_cuda_graph_batch, scheduler_config.max_batch_size), pool
+                )
+                self.graphs.capture()
+            if max_cuda_graph_tokens > 0 and attention_backend == "triton":
+                self.piecewise = PiecewiseGraphs(self, min(max_cuda_graph_tokens, max_tokens), pool)
+                self.piecewise.capture()
         # On a CPU: decode steps compiled by torch.compile (the model keeps dense weights).
         self.compiled: CompiledDecode | None = None
         if compile_decode:
@@ -232,6 +241,9 @@ class ModelRunner:
             self._fill_inputs(chunks, padded_num_seqs=graph.num_seqs)
             self.num_graph_replays += 1
             return lambda: graph.replay()[: self._num_samples]  # a row per token: all sample
+        piecewise = self.piecewise.graph_for(chunks) if self.piecewise is not None else None
+        if piecewise is not None:
+            return self._piecewise_forward(chunks, piecewise)
         if self.compiled is not None and self.compiled.handles(chunks):
             batch = self._fill_inputs(chunks)
             self.num_compiled_steps += 1
@@ -244,11 +256,28 @@ class ModelRunner:
 
         return eager
 
+    def _piecewise_forward(
+        self, chunks: list[ScheduledChunk], graph: PiecewiseGraph
+    ) -> Callable[[], torch.Tensor | None]:
+        batch = self._fill_inputs(chunks, padded_num_tokens=graph.num_tokens)
+        meta = self.build_metadata(batch)
+        num_samples = self._num_samples
+        logits_indices = self.buffers.logits_indices.copy_to_device(num_samples)
+        self.num_piecewise_replays += 1
+
+        def replay() -> torch.Tensor | None:
+            hidden = graph.replay(meta)
+            return self.model.compute_logits(hidden[logits_indices]) if num_samples else None
+
+        return replay
+
     def _record_inputs_copied(self) -> None:
         if self._inputs_copied is not None:
             self._inputs_copied.record()
 
-    def _fill_inputs(self, chunks: list[ScheduledChunk], padded_num_seqs: int = 0) -> StepBatch:
+    def _fill_inputs(
+        self, chunks: list[ScheduledChunk], padded_num_seqs: int = 0, padded_num_tokens: int = 0
+    ) -> StepBatch:
         """Lay the chunks end to end in the input buffers; copy them to the device.
 
         Attention sees sequences of query rows: a chunk is one, except a decode with drafts,
@@ -256,8 +285,9 @@ class ModelRunner:
         its own position (a causal verify through the decode path, as a CUDA graph of one-row
         sequences replays it). With `padded_num_seqs` (a CUDA-graph batch of one-row sequences),
         sequences past the real ones are padding: they store nothing and attend to one token of
-        block 0. A pending token is taken from the previous step's samples once the ids are on
-        the device.
+        block 0. With `padded_num_tokens` (a piecewise graph's token count), rows past the real
+        tokens are padding in no sequence: token 0 at position 0, stored nowhere. A pending
+        token is taken from the previous step's samples once the ids are on the device.
         """
         if self._inputs_copied is not None:
             self._inputs_copied.synchronize()  # the previous step's copies have read the buffers
@@ -342,6 +372,12 @@ class ModelRunner:
             num_tokens = num_seqs = num_decode_seqs = padded_num_seqs
             max_blocks = b.block_tables.np.shape[1]
             max_query_len = 1
+        if padded_num_tokens:
+            pad = slice(num_tokens, padded_num_tokens)
+            b.input_ids.np[pad] = 0
+            b.positions.np[pad] = 0
+            b.slot_mapping.np[pad] = -1
+            num_tokens = padded_num_tokens
         input_ids = b.input_ids.copy_to_device(num_tokens)
         if num_pending:
             dst = b.pending_dst.copy_to_device(num_pending)

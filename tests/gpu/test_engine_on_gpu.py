@@ -78,6 +78,8 @@ def test_triton_backend_matches_the_cpu_reference(tmp_path, arch, eager, kv_cach
     assert gpu.engine.config.attention_backend == "triton"
     assert (gpu.engine.runner.graphs is None) == eager
     outputs = gpu.generate(batch, PARAMS, use_tqdm=False)
+    # Steps with prompt tokens replay their graphs in pieces unless eager.
+    assert (gpu.engine.runner.num_piecewise_replays == 0) == eager
     matched = 0
     for i, (ours, ref) in enumerate(zip(outputs, reference, strict=True)):
         what = f"prompt {i}"
@@ -136,6 +138,51 @@ def test_bfloat16_greedy_matches_transformers_on_the_gpu(tmp_path, arch):
     # qwen3's. A quarter must be.
     assert matched >= len(batch) * BF16_NEW_TOKENS // 4, matched
     assert llm.engine.scheduler.kv_cache.pool.num_used_blocks == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheduling", ["sync", "async"])
+def test_steps_with_prompt_tokens_in_piecewise_graphs_match_eager(tmp_path, scheduling):
+    """Steps with prompt tokens replayed as graphs in pieces around attention (padded to a
+    captured token count) give the tokens and logprobs of the same steps run eagerly: chunked
+    prompts beside running decodes, a prompt whose prefix is cached, steps of both captured
+    sizes and past the largest (eager)."""
+    model_dir = build_checkpoint(tmp_path, "qwen3")
+    shared = prompts((150,), seed=5)[0]
+    batch = [*prompts((5, 17, 300, 33, 90, 1, 700, 9, 64)), [*shared, 11, 12], [*shared, 13]]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=0.8, top_p=0.9, max_tokens=15, seed=7, ignore_eos=True),
+    ]
+    runs = {}
+    for tokens in (0, 128):
+        llm = LLM(
+            model_from_path=str(model_dir),
+            dtype="float32",
+            device="cuda",
+            max_num_seqs=4,  # later prompts are admitted beside the earlier ones' decodes
+            max_prefill_tokens=200,  # a step: up to 200 prompt tokens beside the decodes
+            max_cuda_graph_tokens=tokens,
+            num_kv_blocks=256,
+            scheduler_config=scheduling,
+        )
+        runner = llm.engine.runner
+        sizes = [] if runner.piecewise is None else runner.piecewise.sizes
+        assert sizes == ([64, 128] if tokens else [])
+        runs[tokens] = llm.generate(
+            batch, [params[i % 2] for i in range(len(batch))], use_tqdm=False
+        )
+        assert (runner.num_piecewise_replays > 0) == bool(tokens)
+        assert llm.engine.scheduler.kv_cache.pool.num_used_blocks == 0
+    matched = 0
+    for i, (ours, ref) in enumerate(zip(runs[128], runs[0], strict=True)):
+        a, b = ours.outputs[0], ref.outputs[0]
+        if i % 2:  # sampled with a seed: the same draws from the same logits
+            assert a.token_ids == b.token_ids, f"prompt {i}"
+            continue
+        agreement = assert_close_to_reference(a, EngineReference(b), f"prompt {i}", 2e-2)
+        matched += agreement.matched
+    assert matched >= 6 * 24 * 3 // 4, matched
 
 
 @pytest.mark.gpu

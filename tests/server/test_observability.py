@@ -261,6 +261,7 @@ def test_forward_describes_the_model(observed):
     assert forward["dtype"] == "float32" and forward["kv_cache_dtype"] == "float32"
     assert forward["num_kv_blocks"] == 256 and forward["kv_block_size"] == 16
     assert forward["cuda_graph_batch_sizes"] == [] and forward["tensor_parallel_size"] == 1
+    assert forward["cuda_graph_token_counts"] == []
     assert forward["compiled_decode"] is False  # the suite runs CPU decode steps eagerly
     assert forward["quantization"] is None
     assert forward["num_layers"] >= 1 and forward["num_kv_heads"] <= forward["num_heads"]

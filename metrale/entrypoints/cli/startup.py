@@ -205,10 +205,12 @@ class Startup:
 
         with phase("select kernels", self.bus):
             if config.attention_backend == "triton":
-                graphs = config.max_cuda_graph_batch
+                batch, tokens = config.max_cuda_graph_batch, config.max_cuda_graph_tokens
+                graphs = [f"decode steps up to batch {batch}"] if batch else []
+                graphs += [f"steps with prompt tokens up to {tokens} tokens"] if tokens else []
                 logger.info(
                     "attention backend: triton (paged kernels); %s",
-                    f"CUDA graphs up to batch {graphs}" if graphs else "eager, no CUDA graphs",
+                    f"CUDA graphs of {' and '.join(graphs)}" if graphs else "eager, no CUDA graphs",
                 )
             else:
                 logger.info("attention backend: torch (scaled_dot_product_attention over paged KV)")

@@ -40,9 +40,16 @@ class TritonAttentionMetadata:
         )
 
     def attend(
-        self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rotary
+        self,
+        layer: Attention,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rope: Rotary,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
+        # `out`: where to write the output (a CUDA graph's buffer, `piecewise_graphs.py`)
         # One launch: q rotated in place, k into the cache.
         if isinstance(rope, FusedRotary) and not rope.cpu:
             rope.rotate_and_store(q, k, v, layer.k_cache, layer.v_cache, self.slot_mapping)
@@ -50,11 +57,12 @@ class TritonAttentionMetadata:
             q, k = rope.rotate_qk(q, k)
             store_kv(k, v, layer.k_cache, layer.v_cache, self.slot_mapping)
         if self.max_query_len == 1:  # decode only: one row per sequence, in order
-            return self._decode(layer, q, self.block_tables, self.seq_lens)
+            return self._decode(layer, q, self.block_tables, self.seq_lens, out)
         # A mixed step: its leading decode rows go to the decode kernel, which splits their long
         # contexts over programs and reads a kv head once for its query heads; in the prefill
         # kernel each would take a whole tile of query rows, and a program per query head.
-        out = torch.empty_like(q)
+        if out is None:
+            out = torch.empty_like(q)
         n = self.num_decode_seqs
         if n:
             self._decode(layer, q[:n], self.block_tables[:n], self.seq_lens[:n], out[:n])
