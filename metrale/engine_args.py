@@ -89,7 +89,7 @@ class EngineArgs:
     attention_backend: str = "auto"
     gpu_memory_utilization: float = 0.9
     max_cuda_graph_batch: int = 512
-    max_cuda_graph_tokens: int | None = None  # None: the step's token budget
+    max_cuda_graph_tokens: int = 0  # 0: steps with prompt tokens run eagerly
     enforce_eager: bool = False
     scheduler_config: str = "auto"
     scheduler: str = "fifo"
@@ -173,8 +173,8 @@ class EngineArgs:
             type=int,
             default=d.max_cuda_graph_tokens,
             metavar="N",
-            help="capture steps with prompt tokens in CUDA graphs, in pieces around attention, "
-            "up to N tokens (GPU; default: --max-num-batched-tokens; 0: run them eagerly)",
+            help="capture steps with prompt tokens of up to N tokens in CUDA graphs, in pieces "
+            "around attention (GPU; 0, the default: run them eagerly; not yet measured on a GPU)",
         )
         g.add_argument(
             "--enforce-eager",

@@ -161,11 +161,7 @@ def create_config(args: EngineArgs, model_dir: Path) -> EngineConfig:
         attention_backend=resolve_backend(args.attention_backend, device),
         # (the ranks past 0 do not replay graphs yet: tensor parallelism runs eager)
         max_cuda_graph_batch=0 if eager else args.max_cuda_graph_batch,
-        max_cuda_graph_tokens=0
-        if eager
-        else scheduler.max_num_batched_tokens
-        if args.max_cuda_graph_tokens is None
-        else args.max_cuda_graph_tokens,
+        max_cuda_graph_tokens=0 if eager else args.max_cuda_graph_tokens,
         compile_cpu_decode=not args.enforce_eager
         and device.type == "cpu"
         and args.tensor_parallel_size == 1

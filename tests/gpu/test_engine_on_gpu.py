@@ -69,6 +69,7 @@ def test_triton_backend_matches_the_cpu_reference(tmp_path, arch, eager, kv_cach
         dtype="float32",
         device="cuda",
         enforce_eager=eager,
+        max_cuda_graph_tokens=1024,  # (eager: none whatever is asked)
         max_prefill_tokens=24,
         num_kv_blocks=64,
         kv_cache_dtype=kv_cache_dtype,
