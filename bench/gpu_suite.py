@@ -8,7 +8,8 @@ Results go to $OUT (or bench/results) as JSON with git SHA, device and versions.
 
     python bench/gpu_suite.py b1 b2 b3 b3_swap b5 [--scheduler-config sync|async]
         [--kv-cache-dtype auto|fp8]
-        [--b2-models qwen3_0.6b llama_8b] [--max-cuda-graph-batch N] [--no-transformers]
+        [--b2-models qwen3_0.6b llama_8b] [--max-cuda-graph-batch N] [--max-cuda-graph-tokens N]
+        [--no-transformers]
         [--out DIR]
 
 B1 runs under both schedulings; the others under `--scheduler-config` (default async).
@@ -890,6 +891,12 @@ def main() -> None:
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
     parser.add_argument("--max-cuda-graph-batch", type=int, help="default: the engine's")
     parser.add_argument(
+        "--max-cuda-graph-tokens",
+        type=int,
+        help="steps with prompt tokens as piecewise CUDA graphs up to N tokens (default: the "
+        "engine's); an A/B of them is two calls of the same tree, 0 and the step's budget",
+    )
+    parser.add_argument(
         "--no-transformers", action="store_true", help="skip the transformers references"
     )
     parser.add_argument("--b2-models", nargs="+", choices=list(B2_MODELS), default=list(B2_MODELS))
@@ -907,6 +914,8 @@ def main() -> None:
     ENGINE_FLAGS.update(scheduler_config=args.scheduler_config, kv_cache_dtype=args.kv_cache_dtype)
     if args.max_cuda_graph_batch is not None:
         ENGINE_FLAGS["max_cuda_graph_batch"] = args.max_cuda_graph_batch
+    if args.max_cuda_graph_tokens is not None:
+        ENGINE_FLAGS["max_cuda_graph_tokens"] = args.max_cuda_graph_tokens
     results: dict = {
         "date": datetime.date.today().isoformat(),
         "git_sha": git_sha(),
