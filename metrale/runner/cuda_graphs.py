@@ -67,11 +67,13 @@ class DecodeGraph:
 
 
 class DecodeGraphs:
-    def __init__(self, runner: ModelRunner, max_batch: int, pool: tuple[int, int]) -> None:
+    def __init__(self, runner: ModelRunner, max_batch: int) -> None:
         self.runner = runner
         self.sizes = graph_batch_sizes(max_batch)
         self.graphs: dict[int, DecodeGraph] = {}
-        self.pool = pool  # shared with the graphs of steps with prompt tokens
+        # Their memory pool, once the first is captured; the graphs of steps with prompt tokens
+        # capture into it too (they all replay one at a time, on one stream).
+        self.pool: tuple[int, int] | None = None
 
     def graph_for(self, chunks: list[ScheduledChunk]) -> DecodeGraph | None:
         """The graph that runs this step, if it is a decode step (drafts included) small enough
@@ -118,4 +120,5 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             logits = forward()
+        self.pool = graph.pool()
         return DecodeGraph(num_seqs, graph, logits)

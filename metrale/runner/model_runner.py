@@ -116,16 +116,17 @@ class ModelRunner:
         self.leads_ranks = tp_size() > 1 and tp_rank() == 0
         self.graphs: DecodeGraphs | None = None
         self.piecewise: PiecewiseGraphs | None = None
-        if max_cuda_graph_batch > 0 or max_cuda_graph_tokens > 0:
-            pool = torch.cuda.graph_pool_handle()  # one pool: the graphs replay one at a time
-            if max_cuda_graph_batch > 0:
-                self.graphs = DecodeGraphs(
-                    self, min(max_cuda_graph_batch, scheduler_config.max_batch_size), pool
-                )
-                self.graphs.capture()
-            if max_cuda_graph_tokens > 0 and attention_backend == "triton":
-                self.piecewise = PiecewiseGraphs(self, min(max_cuda_graph_tokens, max_tokens), pool)
-                self.piecewise.capture()
+        if max_cuda_graph_batch > 0:
+            self.graphs = DecodeGraphs(
+                self, min(max_cuda_graph_batch, scheduler_config.max_batch_size)
+            )
+            self.graphs.capture()
+        if max_cuda_graph_tokens > 0 and attention_backend == "triton":
+            pool = self.graphs.pool if self.graphs is not None else None
+            self.piecewise = PiecewiseGraphs(
+                self, min(max_cuda_graph_tokens, max_tokens), pool or torch.cuda.graph_pool_handle()
+            )
+            self.piecewise.capture()
         # On a CPU: decode steps compiled by torch.compile (the model keeps dense weights).
         self.compiled: CompiledDecode | None = None
         if compile_decode:
