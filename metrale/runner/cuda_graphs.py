@@ -15,10 +15,10 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
@@ -55,6 +55,25 @@ def no_garbage_collection() -> Iterator[None]:
             gc.enable()
 
 
+def padded_size(sizes: list[int], n: int) -> int | None:
+    """The smallest of the captured `sizes` (ascending) that holds `n`; None past the largest."""
+    return next((s for s in sizes if s >= n), None)
+
+
+G = TypeVar("G")
+
+
+def capture_largest_first(
+    sizes: list[int], capture: Callable[[int], G]
+) -> tuple[dict[int, G], float]:
+    """A graph per size, the largest first so that all share the memory the largest needs, with
+    the collector held off; the graphs and the seconds the captures took."""
+    start = time.perf_counter()
+    with no_garbage_collection():
+        graphs = {size: capture(size) for size in reversed(sizes)}
+    return graphs, time.perf_counter() - start
+
+
 @dataclass
 class DecodeGraph:
     num_seqs: int
@@ -83,21 +102,17 @@ class DecodeGraphs:
             if not c.samples or not c.is_decode:
                 return None
             num_rows += c.num_tokens
-        if num_rows > self.sizes[-1]:
-            return None
-        return self.graphs[next(s for s in self.sizes if s >= num_rows)]
+        size = padded_size(self.sizes, num_rows)
+        return None if size is None else self.graphs[size]
 
     @torch.inference_mode()
     def capture(self) -> None:
-        start = time.perf_counter()
-        with no_garbage_collection():
-            for num_seqs in reversed(self.sizes):
-                self.graphs[num_seqs] = self._capture(num_seqs)
+        self.graphs, seconds = capture_largest_first(self.sizes, self._capture)
         logger.info(
             "captured %d decode CUDA graphs (batch sizes %s) in %.1f s",
             len(self.sizes),
             self.sizes,
-            time.perf_counter() - start,
+            seconds,
         )
 
     def _capture(self, num_seqs: int) -> DecodeGraph:

@@ -36,7 +36,7 @@ from metrale.runner.compiled_decode import CompiledDecode
 from metrale.runner.cuda_graphs import DecodeGraph, DecodeGraphs
 from metrale.runner.input_buffers import InputBuffers, to_device
 from metrale.runner.kv_cache import PagedKVCache, SwapTiming
-from metrale.runner.piecewise_graphs import PiecewiseGraph, PiecewiseGraphs
+from metrale.runner.piecewise_graphs import PiecewiseGraphs
 from metrale.runner.probe_steps import decode_probe, prefill_probe
 from metrale.runner.sampler import SamplerOutput, sample
 from metrale.runner.sampling_inputs import SamplingInputs
@@ -242,35 +242,23 @@ class ModelRunner:
             self._fill_inputs(chunks, padded_num_seqs=graph.num_seqs)
             self.num_graph_replays += 1
             return lambda: graph.replay()[: self._num_samples]  # a row per token: all sample
-        piecewise = self.piecewise.graph_for(chunks) if self.piecewise is not None else None
-        if piecewise is not None:
-            return self._piecewise_forward(chunks, piecewise)
         if self.compiled is not None and self.compiled.handles(chunks):
             batch = self._fill_inputs(chunks)
             self.num_compiled_steps += 1
             return lambda: self.compiled.run(batch)
-        input_ids, positions, meta, logits_indices = self._prepare_inputs(chunks, scheduled)
+        piecewise = self.piecewise.graph_for(chunks) if self.piecewise is not None else None
+        padded = 0 if piecewise is None else piecewise.num_tokens
+        input_ids, positions, meta, logits_indices = self._prepare_inputs(chunks, scheduled, padded)
+        self.num_piecewise_replays += piecewise is not None
 
-        def eager() -> torch.Tensor | None:
-            hidden = self.model(input_ids, positions, meta, _rows(logits_indices, input_ids))
+        def forward() -> torch.Tensor | None:
+            if piecewise is not None:  # the graphs' shapes are fixed: every row, then the kept
+                hidden = piecewise.replay(meta)[logits_indices]
+            else:
+                hidden = self.model(input_ids, positions, meta, _rows(logits_indices, input_ids))
             return self.model.compute_logits(hidden) if len(logits_indices) else None
 
-        return eager
-
-    def _piecewise_forward(
-        self, chunks: list[ScheduledChunk], graph: PiecewiseGraph
-    ) -> Callable[[], torch.Tensor | None]:
-        batch = self._fill_inputs(chunks, padded_num_tokens=graph.num_tokens)
-        meta = self.build_metadata(batch)
-        num_samples = self._num_samples
-        logits_indices = self.buffers.logits_indices.copy_to_device(num_samples)
-        self.num_piecewise_replays += 1
-
-        def replay() -> torch.Tensor | None:
-            hidden = graph.replay(meta)
-            return self.model.compute_logits(hidden[logits_indices]) if num_samples else None
-
-        return replay
+        return forward
 
     def _record_inputs_copied(self) -> None:
         if self._inputs_copied is not None:
@@ -398,9 +386,12 @@ class ModelRunner:
         )
 
     def _prepare_inputs(
-        self, chunks: list[ScheduledChunk], scheduled: SchedulerOutput | None = None
+        self,
+        chunks: list[ScheduledChunk],
+        scheduled: SchedulerOutput | None = None,
+        padded_num_tokens: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        batch = self._fill_inputs(chunks)
+        batch = self._fill_inputs(chunks, padded_num_tokens=padded_num_tokens)
         num_tokens = batch.slot_mapping.shape[0]
         b = self.buffers
         input_ids = b.input_ids.device[:num_tokens]

@@ -23,7 +23,6 @@ sequence covers them, so attention leaves them alone; every other operation work
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -31,7 +30,7 @@ import torch
 
 from metrale.engine.step import ScheduledChunk
 from metrale.layers.attention import Attention, Rotary
-from metrale.runner.cuda_graphs import no_garbage_collection
+from metrale.runner.cuda_graphs import capture_largest_first, padded_size
 
 if TYPE_CHECKING:
     # (not imported at run time: the kernels are decorated as Triton's interpreter is set when
@@ -140,23 +139,19 @@ class PiecewiseGraphs:
         for c in chunks:
             num_tokens += c.num_tokens
             prompt = prompt or not c.is_decode
-        if not prompt or not self.sizes or num_tokens > self.sizes[-1]:
-            return None
-        return self.graphs[next(s for s in self.sizes if s >= num_tokens)]
+        size = padded_size(self.sizes, num_tokens) if prompt else None
+        return None if size is None else self.graphs[size]
 
     @torch.inference_mode()
     def capture(self) -> None:
-        start = time.perf_counter()
-        with no_garbage_collection():
-            for num_tokens in reversed(self.sizes):
-                self.graphs[num_tokens] = self._capture(num_tokens)
+        self.graphs, seconds = capture_largest_first(self.sizes, self._capture)
         logger.info(
             "captured CUDA graphs of steps with prompt tokens (%d token counts up to %d, %d "
             "pieces each) in %.1f s",
             len(self.sizes),
             self.sizes[-1] if self.sizes else 0,
             len(next(iter(self.graphs.values())).pieces) if self.graphs else 0,
-            time.perf_counter() - start,
+            seconds,
         )
 
     def _capture(self, num_tokens: int) -> PiecewiseGraph:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from metrale.engine_args import EngineArgs
+from metrale.runner.cuda_graphs import padded_size
 from metrale.runner.piecewise_graphs import alias, graph_token_counts
 
 
@@ -32,6 +33,13 @@ def test_padding_past_1024_tokens_costs_at_most_a_third():
     for n in range(1025, 8449):
         padded = next(c for c in counts if c >= n)
         assert (padded - n) / padded < 1 / 3
+
+
+def test_a_step_takes_the_smallest_captured_size_that_holds_it():
+    sizes = graph_token_counts(328)
+    assert [padded_size(sizes, n) for n in (1, 64, 65, 300, 328, 329)] == [
+        64, 64, 128, 328, 328, None,
+    ]  # fmt: skip
 
 
 def test_an_alias_reads_and_writes_the_memory_of_a_strided_view():
